@@ -1,0 +1,10 @@
+"""inductor_xent: fused linear + cross-entropy for torch.compile, with no change to model code.
+
+Public surface: ``linear_cross_entropy`` (the functional API); ``torch.compile(fn,
+backend="inductor_xent")`` (the backend, registered through an entry point).
+"""
+
+from .api import linear_cross_entropy
+
+__all__ = ["linear_cross_entropy"]
+__version__ = "0.1.0"

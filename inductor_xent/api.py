@@ -1,0 +1,114 @@
+"""``linear_cross_entropy``: the public function. Validates at the boundary, then calls the op."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import ops  # noqa: F401  (registers torch.ops.inductor_xent)
+
+_REDUCTIONS = ("mean", "sum", "none")
+_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    z_loss: float = 0.0,
+) -> Tensor:
+    """Cross-entropy of a linear layer's output, without materialising the ``[N, V]`` logits.
+
+    ``hidden`` is ``[..., D]``, ``weight`` ``[V, D]`` (as ``nn.Linear(D, V).weight``), ``target``
+    the leading shape ``[...]`` of integer class ids, ``bias`` ``[V]`` or None. Exactly equal (up to
+    rounding, computed more precisely) to::
+
+        z = F.linear(hidden, weight, bias).float() * logit_scale       # float64 for float64 inputs
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        V = weight.shape[0]
+        loss = F.cross_entropy(z.view(-1, V), target.view(-1), ignore_index=ignore_index,
+                               reduction=reduction, label_smoothing=label_smoothing)
+        # plus z_loss * logsumexp(z)**2 on every non-ignored row, reduced the same way
+
+    except that the logits are accumulated and kept in float32 instead of being rounded to the
+    input dtype first. ``mean`` divides by the number of non-ignored targets (NaN when there are
+    none, like PyTorch); ``none`` returns ``target``'s shape. The result is float32 for bfloat16,
+    float16 and float32 inputs, float64 for float64 inputs.
+
+    Targets outside ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` on CPU. On CUDA
+    they are not checked (that would need a host synchronisation): such a row gets a finite but
+    meaningless loss (its target logit is read as 0) and gradients as if it had no target.
+    """
+    _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    target1d = target.reshape(-1)
+    rows, _ = torch.ops.inductor_xent.linear_ce_fwd(
+        hidden2d, weight, bias, target1d, int(ignore_index), float(label_smoothing),
+        float(logit_scale), None if softcap is None else float(softcap), float(z_loss),
+    )
+    if reduction == "none":
+        return rows.view(target.shape)
+    if reduction == "sum":
+        return rows.sum()
+    return rows.sum() / (target1d != ignore_index).sum()  # the count stays on the device
+
+
+def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss):
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if bias is not None and not isinstance(bias, Tensor):
+        raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float64, float32, bfloat16 or float16, got {hidden.dtype}")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            raise TypeError(f"{name}.dtype ({t.dtype}) must equal hidden.dtype ({hidden.dtype})")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(
+            f"target must hold integer class ids, got dtype {target.dtype} "
+            "(probability targets are not supported)"
+        )
+    if hidden.dim() < 1 or weight.dim() != 2:
+        raise ValueError(
+            f"expected hidden [..., D] and weight [V, D], got hidden {tuple(hidden.shape)} and "
+            f"weight {tuple(weight.shape)}"
+        )
+    if hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden's last dimension ({hidden.shape[-1]}) must equal weight's second dimension "
+            f"({weight.shape[1]}): hidden {tuple(hidden.shape)}, weight {tuple(weight.shape)} [V, D]"
+        )
+    if weight.shape[0] == 0:
+        raise ValueError("weight has no rows: the vocabulary V must be at least 1")
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"target's shape {tuple(target.shape)} must equal hidden's leading shape "
+            f"{tuple(hidden.shape[:-1])} (hidden is {tuple(hidden.shape)})"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must have shape ({weight.shape[0]},) [V], got {tuple(bias.shape)}")
+    devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
+    if len(devices) > 1:
+        raise ValueError(f"hidden, weight, target and bias must be on one device, got {sorted(map(str, devices))}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not math.isfinite(logit_scale):
+        raise ValueError(f"logit_scale must be finite, got {logit_scale}")
+    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
+    if not (math.isfinite(z_loss) and z_loss >= 0):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")

@@ -1,0 +1,40 @@
+"""Knobs of inductor_xent, and the only place environment variables are read.
+
+Every value is read when it is used (not at import), so tests and users can change the environment
+or the attributes below at run time.
+"""
+
+from __future__ import annotations
+
+import os
+
+IMPLS = ("auto", "triton", "reference")
+
+# The chunked CPU path holds at most this many bytes of fp32 logits per row chunk (plus the same
+# again for their softmax/gradient). 16 MiB keeps the peak of N=4096, D=64, V=32768 (512 MiB of
+# logits) near 40 MiB while each chunk's matmul stays large enough to run at full speed.
+fallback_chunk_bytes: int = 16 * 2**20
+
+
+def impl() -> str:
+    """``INDUCTOR_XENT_IMPL``: which implementation runs behind the op.
+
+    ``auto`` (default): Triton kernels for CUDA tensors of bf16/fp16/fp32, the chunked PyTorch path
+    otherwise. ``triton``: the Triton kernels always; on CPU tensors they run under
+    ``TRITON_INTERPRET=1`` (slow; for tests). ``reference``: the chunked PyTorch path always.
+    """
+    value = os.environ.get("INDUCTOR_XENT_IMPL", "auto").strip().lower() or "auto"
+    if value not in IMPLS:
+        raise ValueError(f"INDUCTOR_XENT_IMPL={value!r}; expected one of {', '.join(IMPLS)}")
+    return value
+
+
+def triton_interpret() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dump_graphs() -> bool:
+    """``INDUCTOR_XENT_DUMP_GRAPHS=1`` logs every graph before and after the pass (logger
+    ``inductor_xent.patterns``, level INFO)."""
+    return os.environ.get("INDUCTOR_XENT_DUMP_GRAPHS", "0") not in ("", "0")
