@@ -1,0 +1,184 @@
+"""The public function on CPU (the chunked fallback) against the oracle, on fresh random inputs."""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import inductor_xent
+from inductor_xent import config, fallback, reference
+from inductor_xent.options import LossOptions
+
+from .tolerance import assert_within_torch_error, torch_same_dtype_loss
+
+# sizes: 0 (empty), 1, primes and odd numbers, so that no chunk or row count lines up
+SIZES_N = st.sampled_from([0, 1, 2, 7, 13, 31, 64])
+SIZES_D = st.sampled_from([1, 3, 8, 17])
+SIZES_V = st.sampled_from([1, 2, 5, 31, 67])
+IGNORE = st.sampled_from(["none", "some", "all", "block"])  # block: a whole leading run ignored
+
+
+@st.composite
+def cases(draw):
+    n, d, v = draw(SIZES_N), draw(SIZES_D), draw(SIZES_V)
+    return dict(
+        n=n, d=d, v=v,
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])),
+        bias=draw(st.booleans()),
+        three_d=draw(st.booleans()) and n % 2 == 0 and n > 0,
+        non_contiguous=draw(st.booleans()),
+        ignore=draw(IGNORE),
+        ignore_index=draw(st.sampled_from([-100, -1, 0])),  # 0: a real class id that is ignored
+        reduction=draw(st.sampled_from(["mean", "sum", "none"])),
+        label_smoothing=draw(st.sampled_from([0.0, 0.1, 1.0])),
+        logit_scale=draw(st.sampled_from([1.0, 0.37])),
+        softcap=draw(st.sampled_from([None, 1.5, 30.0])),
+        z_loss=draw(st.sampled_from([0.0, 1e-3])),
+        chunk_bytes=draw(st.sampled_from([64, 1000, 8 * 2**20])),  # many chunks .. one chunk
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def make_inputs(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    n, d, v, dt = c["n"], c["d"], c["v"], c["dtype"]
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * (3 / d**0.5)  # logits with std ~ 3
+    b = torch.randn(v, generator=g) if c["bias"] else None
+    y = torch.randint(0, v, (n,), generator=g)
+    if c["ignore"] == "some":
+        y[::3] = c["ignore_index"]
+    elif c["ignore"] == "all":
+        y[:] = c["ignore_index"]
+    elif c["ignore"] == "block":
+        y[: n // 2] = c["ignore_index"]
+    if c["non_contiguous"]:  # every other row of a wider buffer, weight as a transposed [D, V] buffer
+        h = torch.randn(n, 2, d, generator=g)[:, 0, :].copy_(h)
+        w = w.t().contiguous().t()
+    if c["three_d"]:
+        h, y = h.reshape(2, n // 2, d), y.reshape(2, n // 2)
+    h, w = h.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+    b = None if b is None else b.to(dt).requires_grad_()
+    return h, w, b, y
+
+
+def _kw(c):
+    return {k: c[k] for k in ("ignore_index", "reduction", "label_smoothing", "logit_scale", "softcap", "z_loss")}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases())
+def test_matches_oracle(c):
+    h, w, b, y = make_inputs(c)
+    params = [t for t in (h, w, b) if t is not None]
+    old = config.fallback_chunk_bytes
+    config.fallback_chunk_bytes = c["chunk_bytes"]
+    try:
+        ours = inductor_xent.linear_cross_entropy(h, w, y, bias=b, **_kw(c))
+    finally:
+        config.fallback_chunk_bytes = old
+    exact = reference.linear_cross_entropy(*(t.double() for t in (h, w)), y,
+                                           bias=None if b is None else b.double(), **_kw(c))
+    same = torch_same_dtype_loss(h, w, y, b, **_kw(c))
+    assert ours.dtype == reference.compute_dtype(c["dtype"])
+    assert ours.shape == same.shape
+    if ours.numel() == 0 or torch.isnan(exact).all():  # empty or all-ignored mean: PyTorch's answer
+        torch.testing.assert_close(ours.double(), exact, equal_nan=True)
+        torch.testing.assert_close(same.double(), exact, equal_nan=True)
+        return
+    floor = 1e-12 if c["dtype"] == torch.float64 else 1e-6
+    assert_within_torch_error(ours, same, exact, floor=floor, what="loss")
+    # any incoming gradient: a random one for 'none'
+    gout = torch.randn(ours.shape, generator=torch.Generator().manual_seed(c["seed"] + 1))
+    g_ours = torch.autograd.grad(ours, params, gout.to(ours.dtype))
+    g_same = torch.autograd.grad(same, params, gout.to(same.dtype))
+    g_exact = torch.autograd.grad(exact, params, gout.double())
+    for name, a, s, e in zip(("hidden", "weight", "bias"), g_ours, g_same, g_exact):
+        assert a.dtype == s.dtype and a.shape == s.shape
+        assert_within_torch_error(a, s, e, floor=floor, what=f"grad_{name}")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_gradcheck_float64(bias, small_chunks):
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(9, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(13, 5, dtype=torch.float64, generator=g, requires_grad=True)
+    b = torch.randn(13, dtype=torch.float64, generator=g, requires_grad=True) if bias else None
+    y = torch.randint(0, 13, (9,), generator=g)
+    y[2] = -100
+    inputs = (h, w) + ((b,) if bias else ())
+
+    def fn(h, w, b=None):
+        return inductor_xent.linear_cross_entropy(
+            h, w, y, bias=b, reduction="none", label_smoothing=0.2, logit_scale=0.8, softcap=2.5, z_loss=1e-2)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+
+
+def test_lse_output_gradient(small_chunks):
+    """The op's lse output is differentiable (the pass maps a user's separate logsumexp onto it)."""
+    g = torch.Generator().manual_seed(4)
+    h = torch.randn(11, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(19, 6, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 19, (11,), generator=g)
+    y[::2] = -100  # ignored rows still have an lse, and its gradient
+
+    def fn(h, w):
+        loss, lse = torch.ops.inductor_xent.linear_ce_fwd(h, w, None, y, -100, 0.1, 1.0, 1.7, 0.0)
+        return loss.sum() + (lse**2).sum()
+
+    assert torch.autograd.gradcheck(fn, (h, w))
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_never_materialises_logits(monkeypatch):
+    """Forward and backward never create a tensor with more than one chunk of rows x V elements."""
+    n, d, v = 512, 16, 4099
+    monkeypatch.setattr(config, "fallback_chunk_bytes", 64 * v * 4)  # 64 rows of fp32 logits
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    y = torch.randint(0, v, (n,))
+    with _LargestTensor() as mode:
+        loss = inductor_xent.linear_cross_entropy(h, w, y, softcap=5.0, label_smoothing=0.1)
+        loss.backward()
+    assert mode.largest <= 64 * v, f"a tensor of {mode.largest} elements exists; one chunk is {64 * v}"
+    # and the chunking did not change the answer
+    torch.testing.assert_close(loss, reference.linear_cross_entropy(h, w, y, softcap=5.0, label_smoothing=0.1))
+
+
+def test_chunk_rows_bounded():
+    assert fallback.chunk_rows(4096, 32768, torch.float32) * 32768 * 4 <= config.fallback_chunk_bytes
+    assert fallback.chunk_rows(10, 10**9, torch.float32) == 1  # at least one row
+    assert fallback.chunk_rows(3, 5, torch.float64) == 3
+
+
+def test_forward_computes_no_gradient(monkeypatch):
+    """No gradient work in the forward: the backward op runs only when backward() is called."""
+    calls = []
+    real = fallback.backward
+    monkeypatch.setattr(fallback, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    h = torch.randn(8, 4, requires_grad=True)
+    w = torch.randn(10, 4, requires_grad=True)
+    loss = inductor_xent.linear_cross_entropy(h, w, torch.randint(0, 10, (8,)))
+    assert calls == []
+    loss.backward()
+    assert calls == [1]
+
+
+def test_options_tuple_defaults_match_public_defaults():
+    assert LossOptions() == LossOptions(-100, 0.0, 1.0, None, 0.0)

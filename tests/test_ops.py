@@ -1,0 +1,117 @@
+"""The torch.library ops: schemas, fake impls, autograd registration, compile, retain_graph."""
+
+import pytest
+import torch
+
+import inductor_xent
+from inductor_xent import reference
+
+FWD = torch.ops.inductor_xent.linear_ce_fwd.default
+BWD = torch.ops.inductor_xent.linear_ce_bwd.default
+
+
+def _args(n=13, d=7, v=23, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
+    w = torch.randn(v, d, generator=g).to(dtype).requires_grad_()
+    b = torch.randn(v, generator=g).to(dtype).requires_grad_() if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::4] = -100
+    return h, w, b, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_opcheck_forward(dtype, bias, softcap):
+    h, w, b, y = _args(dtype=dtype, bias=bias)
+    torch.library.opcheck(FWD, (h, w, b, y, -100, 0.1, 0.9, softcap, 1e-3))
+
+
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
+def test_opcheck_backward(needs):
+    h, w, b, y = _args()
+    with torch.no_grad():
+        _, lse = FWD(h, w, b, y, -100, 0.0, 1.0, None, 0.0)
+    g, gl = torch.randn(13), torch.randn(13)
+    args = (g, gl, h.detach(), w.detach(), b.detach(), y, lse, -100, 0.0, 1.0, None, 0.0, *needs)
+    torch.library.opcheck(BWD, args)
+    gh, gw, gb = BWD(*args)
+    assert gh.shape == ((13, 7) if needs[0] else (0,))
+    assert gw.shape == ((23, 7) if needs[1] else (0,))
+    assert gb.shape == ((23,) if needs[2] else (0,))
+
+
+def test_only_requested_gradients():
+    """A frozen weight gets no gradient work and no gradient."""
+    h, w, b, y = _args()
+    w.requires_grad_(False)
+    inductor_xent.linear_cross_entropy(h, w, y, bias=b).backward()
+    assert w.grad is None and h.grad is not None and b.grad is not None
+
+
+def test_retain_graph_and_second_backward():
+    h, w, b, y = _args()
+    loss = inductor_xent.linear_cross_entropy(h, w, y, bias=b)
+    g1 = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
+    g2 = torch.autograd.grad(loss * 3, (h, w, b))
+    for a, c in zip(g1, g2):
+        torch.testing.assert_close(3 * a, c)
+    want = torch.autograd.grad(reference.linear_cross_entropy(h, w, y, bias=b), (h, w, b))
+    for a, c in zip(g1, want):
+        torch.testing.assert_close(a, c)
+
+
+def test_compile_fullgraph_two_batch_sizes_no_recompile():
+    torch._dynamo.reset()
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")
+    fn = torch.compile(
+        lambda h, w, y: inductor_xent.linear_cross_entropy(h, w, y, label_smoothing=0.1, z_loss=1e-4),
+        backend=counter, fullgraph=True, dynamic=None,
+    )
+    for n in (16, 24, 40):  # the second size triggers automatic dynamic; the third must reuse it
+        h, w, _, y = _args(n=n, seed=n)
+        got = fn(h, w, y)
+        got.backward()
+        want = reference.linear_cross_entropy(h, w, y, label_smoothing=0.1, z_loss=1e-4)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(h.grad, torch.autograd.grad(want, h)[0])
+    assert counter.frame_count == 2, counter.frame_count  # static, then one dynamic graph
+    torch._dynamo.reset()
+
+
+def test_compile_inductor_cpu_matches_eager():
+    torch._dynamo.reset()
+    fn = torch.compile(lambda h, w, b, y: inductor_xent.linear_cross_entropy(h, w, y, bias=b, softcap=3.0),
+                       backend="inductor", fullgraph=True)
+    h, w, b, y = _args(n=19)
+    got = fn(h, w, b, y)
+    got.backward()
+    want = reference.linear_cross_entropy(h, w, y, bias=b, softcap=3.0)
+    torch.testing.assert_close(got, want)
+    for p, g in zip((h, w, b), torch.autograd.grad(want, (h, w, b))):
+        torch.testing.assert_close(p.grad, g)
+    torch._dynamo.reset()
+
+
+def test_backward_graph_saves_no_logits():
+    """Under AOTAutograd the forward saves inputs and the (N,) lse: no [N, V] tensor crosses."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    torch._dynamo.reset()
+    rec = AotEagerAndRecordGraphs()
+    n, d, v = 32, 8, 1009
+    h, w, b, y = _args(n=n, d=d, v=v)
+    torch.compile(lambda h, w, y: inductor_xent.linear_cross_entropy(h, w, y), backend=rec, fullgraph=True)(
+        h, w, y).backward()
+    (fw,), (bw,) = rec.fw_graphs, rec.bw_graphs
+    for graph in (fw, bw):
+        for node in graph.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                assert val.numel() < n * v, f"{node.format_node()} has {tuple(val.shape)}"
+    targets = {node.target for node in bw.graph.nodes}
+    assert BWD in targets
+    torch._dynamo.reset()
