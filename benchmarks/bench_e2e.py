@@ -1,0 +1,102 @@
+"""End-to-end benchmark: one HF Llama training step compiled with backend="inductor" and with
+backend="inductor_xent" (issue 4's realistic check).
+
+Accounting: the compiled region is ``lambda batch: model(**batch).loss`` (returns only the loss, so
+the logits need not exist); a step = compiled forward + backward + SGD update. Step time: median
+over ``--steps`` steps after ``--warmup`` steps (the first compiles). Peak memory: CUDA allocator
+peak during a step minus the memory allocated before it (weights, gradients, optimizer state and
+the batch are excluded since they exist before the step starts).
+
+    python -m inductor_xent bench e2e --out out/        # GPU: hidden 2048, V=128256, 8 x 2048 tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from inductor_xent import demo
+
+SHAPE = dict(vocab=128256, hidden=2048, layers=2, heads=16, batch=8, seq=2048, dtype=torch.bfloat16)
+
+
+def run_backend(backend, base_model, loss_of, shape, device, warmup, steps) -> dict:
+    model = copy.deepcopy(base_model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda batch: loss_of(model, batch), backend=backend)
+    times, peaks, losses = [], [], []
+    batch_list = list(demo.batches(shape, device, 2))
+    for i in demo.progress(range(warmup + steps), warmup + steps, f"{backend:>13}"):
+        batch = batch_list[i % 2]
+        with demo.PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            loss = compiled(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        losses.append(loss.item())
+        if i >= warmup:
+            times.append(dt)
+            peaks.append(mem.peak)
+    del model, opt, compiled
+    return {"backend": backend, "step_ms": 1e3 * statistics.median(times), "peak_mib": max(peaks) / 2**20,
+            "losses": losses}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=SHAPE["layers"])
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--out", default=None, help="directory for bench_e2e.json")
+    p.add_argument("--device", default="cuda")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench e2e needs a CUDA GPU (torch sees none); use --device cpu for a small smoke run",
+              file=sys.stderr)
+        return 2
+    shape = dict(demo.CPU_SHAPE if args.device == "cpu" else SHAPE, layers=args.layers)
+    base_model, loss_of, name = demo.build_model(shape, args.device, use_hf=True)
+    results = [run_backend(b, base_model, loss_of, shape, args.device, args.warmup, args.steps)
+               for b in ("inductor", "inductor_xent")]
+    tokens = shape["batch"] * shape["seq"]
+    meta = {
+        "model": name, "tokens": tokens, "dtype": str(shape["dtype"]), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "date": time.strftime("%Y-%m-%d"), "bf16_logits_mib": tokens * shape["vocab"] * 2 / 2**20,
+    }
+    try:
+        import triton
+
+        meta["triton"] = triton.__version__
+    except ImportError:
+        pass
+    ref, ours = results
+    print(f"\n{name}, {tokens} tokens, {meta['gpu']}, torch {meta['torch']}, {meta['date']}")
+    print("| backend | step ms (median) | peak MiB during step |")
+    print("|---|---|---|")
+    for r in results:
+        print(f"| {r['backend']} | {r['step_ms']:.1f} | {r['peak_mib']:.0f} |")
+    print(f"step time ratio {ours['step_ms'] / ref['step_ms']:.3f}; peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB"
+          f" (bf16 logits: {meta['bf16_logits_mib']:.0f} MiB); losses step 0: {ref['losses'][0]:.5f} vs {ours['losses'][0]:.5f}")
+    if args.out:
+        import os
+
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bench_e2e.json"), "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
