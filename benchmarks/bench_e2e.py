@@ -48,7 +48,6 @@ def run_backend(backend, base_model, loss_of, shape, device, warmup, steps) -> d
         if i >= warmup:
             times.append(dt)
             peaks.append(mem.peak)
-    del model, opt, compiled
     return {"backend": backend, "step_ms": 1e3 * statistics.median(times), "peak_mib": max(peaks) / 2**20,
             "losses": losses}
 
@@ -87,8 +86,9 @@ def main(argv=None) -> int:
     print("|---|---|---|")
     for r in results:
         print(f"| {r['backend']} | {r['step_ms']:.1f} | {r['peak_mib']:.0f} |")
-    print(f"step time ratio {ours['step_ms'] / ref['step_ms']:.3f}; peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB"
-          f" (bf16 logits: {meta['bf16_logits_mib']:.0f} MiB); losses step 0: {ref['losses'][0]:.5f} vs {ours['losses'][0]:.5f}")
+    print(f"step time ratio {ours['step_ms'] / ref['step_ms']:.3f}; "
+          f"peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB (bf16 logits: {meta['bf16_logits_mib']:.0f} MiB); "
+          f"losses step 0: {ref['losses'][0]:.5f} vs {ours['losses'][0]:.5f}")
     if args.out:
         import os
 

@@ -239,7 +239,8 @@ def main(argv=None) -> int:
         diff = abs(a - b) / max(abs(a), 1e-12)
         worst = max(worst, diff)
         print(f"{i:>4} | {a:>15.6f} | {b:>20.6f} | {diff:>9.2e}")
-    print(f"\n{'backend':>13} | {'peak memory / step':>18} | {'step time (median, after compile)':>33} | first step (compile)")
+    print(f"\n{'backend':>13} | {'peak memory / step':>18} | {'step time (median, after compile)':>33} "
+          "| first step (compile)")
     for r in runs:
         print(f"{r.backend:>13} | {_mib(max(r.peak_bytes)):>18} | {statistics.median(r.step_s[1:]) * 1e3:>30.0f} ms"
               f" | {r.step_s[0]:.1f} s")
