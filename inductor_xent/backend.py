@@ -1,0 +1,74 @@
+"""``torch.compile(fn, backend="inductor_xent")``: rewrite the Dynamo graph, then hand it to Inductor.
+
+The entry point (``torch_dynamo_backends`` in pyproject.toml) names ``inductor_xent`` below; this
+module must not also ``register_backend`` that name (Dynamo would assert "duplicate name").
+
+``options`` holds Inductor config keys (passed through as config patches, validated by Inductor) and
+our own keys, prefixed ``xent.``:
+
+* ``xent.allow_escaping_logits`` (bool, default False): fuse the loss even when the logits have
+  other users (e.g. are returned); they are then still computed for those users.
+* ``xent.inner`` (``"inductor"`` default | ``"aot_eager"``): what compiles the rewritten graph.
+  ``aot_eager`` runs AOTAutograd with Inductor's decompositions and partitioner but no code
+  generation: fast CPU tests.
+* ``xent.enable`` (bool, default True): False skips the rewrite (A/B comparisons).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from . import compat, patterns
+from .install import CACHE_SALT
+
+log = logging.getLogger(__name__)
+
+XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool}
+INNER = ("inductor", "aot_eager")
+
+
+def split_options(options: Optional[dict]) -> tuple[dict, dict]:
+    """(our ``xent.*`` options without the prefix, Inductor's options), validating ours."""
+    ours, theirs = {"allow_escaping_logits": False, "inner": "inductor", "enable": True}, {}
+    for key, value in (options or {}).items():
+        if not key.startswith("xent."):
+            theirs[key] = value
+            continue
+        name = key[len("xent."):]
+        if name not in XENT_OPTIONS:
+            raise ValueError(f"unknown inductor_xent option {key!r}; known: "
+                             + ", ".join(f"xent.{k}" for k in XENT_OPTIONS))
+        if not isinstance(value, XENT_OPTIONS[name]):
+            raise TypeError(f"option {key!r} must be {XENT_OPTIONS[name].__name__}, got {value!r}")
+        ours[name] = value
+    if ours["inner"] not in INNER:
+        raise ValueError(f"option 'xent.inner' must be one of {INNER}, got {ours['inner']!r}")
+    return ours, theirs
+
+
+def config_patches(mode: Optional[str], inductor_options: dict) -> dict:
+    """Inductor config patches for ``mode`` and ``options``, plus our cache salt."""
+    from torch._inductor import config as ic
+
+    patches: dict[str, Any] = compat.list_mode_options(mode)
+    known = compat.inductor_config_keys()
+    for key, value in inductor_options.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise RuntimeError(f"Unexpected optimization option {key} (not an Inductor config key "
+                               "and not an inductor_xent 'xent.*' option)")
+        patches[name] = value
+    current = patches.get("joint_custom_pre_pass", ic.joint_custom_pre_pass)
+    patches["joint_custom_pre_pass"] = compat.add_pass(current, CACHE_SALT)
+    return patches
+
+
+def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
+    """The backend: our rewrite on the Dynamo graph (torch IR, before autograd), then ``compile_fx``."""
+    ours, theirs = split_options(options)
+    if ours["enable"]:
+        patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"])
+    if ours["inner"] == "aot_eager":
+        return compat.aot_eager(gm, example_inputs)
+    return compat.compile_fx(gm, example_inputs, config_patches(mode, theirs))

@@ -1,0 +1,117 @@
+"""Every difference between the torch releases we support (2.11 on the GPU box, 2.13+ in CI) lives here.
+
+* Custom graph passes: 2.11 takes one callable per hook; 2.13+ also takes a list or tuple
+  (``torch._inductor.custom_graph_pass.get_custom_graph_passes``). ``add_pass`` / ``remove_pass``
+  compose ours with whatever the user already set, in either form.
+* ``compile_fx`` grew ``compile_region_name`` in 2.13; we never pass it.
+* ``aot_eager_decomp_partition`` (the fast CPU test path: AOTAutograd + Inductor's decompositions and
+  partitioner, no code generation) exists in both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Optional
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+try:  # 2.13+
+    from torch._inductor.custom_graph_pass import get_custom_graph_passes as _get_custom_graph_passes
+
+    PASS_LISTS = True
+except ImportError:  # 2.11: one callable per hook
+    _get_custom_graph_passes = None
+    PASS_LISTS = False
+
+
+def custom_passes(value: Any) -> list:
+    """The passes held by one custom-pass config value, as a list (``None`` -> ``[]``)."""
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    if isinstance(value, ComposedPass):
+        return list(value.passes)
+    return [value]
+
+
+class ComposedPass(CustomGraphPass):
+    """Several passes behind one callable, for torch 2.11 whose hooks hold a single callable.
+
+    Its uuid combines the members' uuids; a member without one (a plain function) makes it None,
+    which tells Inductor not to cache: the same rule Inductor applies to that member alone.
+    """
+
+    def __init__(self, passes):
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        for p in self.passes:
+            p(graph)
+
+    def uuid(self) -> Optional[Any]:
+        ids = []
+        for p in self.passes:
+            uid = p.uuid() if hasattr(p, "uuid") else None
+            if uid is None:
+                return None
+            ids.append(uid)
+        return tuple(ids)
+
+
+def _pack(passes: list) -> Any:
+    if not passes:
+        return None
+    if len(passes) == 1:
+        return passes[0]
+    return list(passes) if PASS_LISTS else ComposedPass(passes)
+
+
+def add_pass(value: Any, ours: Callable) -> Any:
+    """The config value ``value`` with ``ours`` appended (after the user's own passes); idempotent."""
+    passes = custom_passes(value)
+    if any(p is ours for p in passes):
+        return value
+    if isinstance(value, tuple) and PASS_LISTS:
+        return (*value, ours)
+    return _pack([*passes, ours])
+
+
+def remove_pass(value: Any, ours: Callable) -> Any:
+    """The config value ``value`` without ``ours``; the user's passes stay, in their order."""
+    passes = custom_passes(value)
+    if not any(p is ours for p in passes):
+        return value
+    rest = [p for p in passes if p is not ours]
+    if isinstance(value, tuple) and PASS_LISTS and len(rest) != 1:
+        return tuple(rest) or None
+    return _pack(rest)
+
+
+def list_mode_options(mode: Optional[str], dynamic: Optional[bool] = None) -> dict:
+    """Inductor's config patches for ``torch.compile(mode=...)`` (same function in 2.11 and 2.13+)."""
+    if mode is None or mode == "default":
+        return {}
+    from torch._inductor import list_mode_options as _list_mode_options
+
+    return dict(_list_mode_options(mode, dynamic))
+
+
+def compile_fx(gm: torch.fx.GraphModule, example_inputs, config_patches: dict):
+    from torch._inductor.compile_fx import compile_fx as _compile_fx
+
+    return _compile_fx(gm, example_inputs, config_patches=config_patches or None)
+
+
+def aot_eager(gm: torch.fx.GraphModule, example_inputs):
+    """AOTAutograd with Inductor's decompositions and partitioner, run eagerly: fast CPU tests."""
+    from torch._dynamo.backends.debugging import aot_eager_decomp_partition
+
+    return aot_eager_decomp_partition(gm, example_inputs)
+
+
+def inductor_config_keys() -> set:
+    from torch._inductor import config
+
+    return set(config.get_config_copy())

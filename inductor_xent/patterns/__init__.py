@@ -1,0 +1,351 @@
+"""The pass: find lm_head matmul -> cross-entropy sites in a Dynamo graph and call our op instead.
+
+``run(gm)`` visits every node; each idiom module (one per spelling family, see README.md) says
+whether the node is a loss over logits (``LossSite``), a site it must decline (``Decline``), or
+neither. For a site, ``_logits.trace`` walks back to the matmul and folds what lies between
+(casts, views, scale, softcap, bias, a sequence slice) into the op's arguments. The driver then
+checks what the idioms cannot see locally (other users of the logits, dtypes, devices, autocast,
+in-place updates) and either rewrites or declines with a reason. It never changes semantics: when
+unsure, it declines.
+
+Every site bumps ``torch._dynamo.utils.counters["inductor_xent"]`` (``sites_fused`` /
+``sites_declined`` and ``fused.<pattern>`` / ``declined.<pattern>``), is logged on
+``logging.getLogger(__name__)`` and is returned as a ``Site`` (what ``inductor_xent.explain``
+shows). ``INDUCTOR_XENT_DUMP_GRAPHS=1`` logs each graph before and after the pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch._dynamo.utils import counters
+from torch.fx import GraphModule, Node
+
+from .. import config, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
+from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
+from ._fx import Emitter, hint, same, tval
+from ._site import Decline, LossSite
+
+log = logging.getLogger(__name__)
+
+IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gather)
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+SUPPORTED_DEVICES = ("cpu", "cuda")
+ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"
+ESCAPE_HINT = (
+    "the logits are also a graph output (the compiled function returns them), so they must be "
+    "materialised: compile a function that returns only the loss instead, e.g. "
+    "torch.compile(lambda **batch: model(**batch).loss, backend='inductor_xent') or a whole training "
+    "step; or pass options={'xent.allow_escaping_logits': True} to fuse the loss anyway"
+)
+# ops whose result aliases (or may alias) their input: no new [N, V] buffer
+_VIEWS = ("view", "reshape", "flatten", "contiguous", "transpose", "t", "permute", "squeeze", "unsqueeze")
+
+
+@dataclass
+class Site:
+    """One candidate site: what ``explain`` reports and ``run`` returns."""
+
+    pattern: str
+    fused: bool
+    reason: str
+    node: str  # the loss node's name in the Dynamo graph
+    rows: Optional[str] = None  # N, the number of rows (symbolic when dynamic)
+    vocab: Optional[int] = None  # V
+    hidden_dim: Optional[int] = None  # D
+    dtype: Optional[str] = None  # dtype of the matmul (the logits as eager computes them)
+    logits_bytes: Optional[int] = None  # one [N, V] logits tensor in that dtype (at the example sizes)
+    bytes_avoided: int = 0  # [N, V]-sized buffers the rewritten forward no longer materialises
+    logits_escape: bool = False  # the logits are a graph output
+
+
+def run(gm: GraphModule, *, allow_escaping_logits: bool = False) -> list[Site]:
+    """Rewrite every supported site of ``gm`` in place; return one ``Site`` per candidate."""
+    graph = gm.graph
+    if config.dump_graphs():
+        log.info("inductor_xent: graph before the pass:\n%s", gm.print_readable(print_output=False))
+    autocast = _autocast_reason(gm)
+    sites: list[Site] = []
+    erased: set = set()
+    for node in list(graph.nodes):
+        if node in erased or node.op not in ("call_function", "call_method"):
+            continue
+        for idiom in IDIOMS:
+            found = idiom.match(node)
+            if found is not None:
+                break
+        else:
+            continue
+        site = _handle(gm, found, allow_escaping_logits, autocast, erased)
+        if site is None:
+            continue
+        sites.append(site)
+        kind = "fused" if site.fused else "declined"
+        counters["inductor_xent"][f"sites_{kind}"] += 1
+        counters["inductor_xent"][f"{kind}.{site.pattern}"] += 1
+        log.info("inductor_xent: %s %s site at %s: %s", kind, site.pattern, site.node, site.reason)
+    if any(s.fused for s in sites):
+        graph.lint()
+        gm.recompile()
+    if config.dump_graphs():
+        log.info("inductor_xent: graph after the pass:\n%s", gm.print_readable(print_output=False))
+    return sites
+
+
+# ---------------------------------------------------------------------------------------------
+# one site
+# ---------------------------------------------------------------------------------------------
+def _handle(gm, found, allow_escaping: bool, autocast: Optional[str], erased: set) -> Optional[Site]:
+    if isinstance(found, Decline):
+        chain = None
+        if isinstance(found.node, Node) and found.node.args:
+            chain = _logits.trace(found.node.args[0]) if isinstance(found.node.args[0], Node) else None
+        if chain is None:  # not over lm_head logits at all: not a candidate
+            log.debug("inductor_xent: %s at %s is not over lm_head logits (%s)", found.pattern,
+                      found.node.name, found.reason)
+            return None
+        site = Site(found.pattern, False, found.reason, found.node.name)
+        if not isinstance(chain, str):
+            _describe(site, chain)
+        return site
+    chain = _logits.trace(found.logits)
+    if chain is None:
+        return None
+    site = Site(found.pattern, False, "", found.loss.name)
+    if isinstance(chain, str):
+        site.reason = chain
+        return site
+    _describe(site, chain)
+    plan = _plan(gm, found, chain, allow_escaping, autocast)
+    if isinstance(plan, str):
+        site.reason = plan
+        site.logits_escape = plan == ESCAPE_REASON
+        return site
+    site.logits_escape = plan["escapes_to_output"]
+    site.bytes_avoided = _rewrite(gm, found, chain, plan, erased)
+    site.fused = True
+    site.reason = _fused_reason(found, chain, plan)
+    return site
+
+
+def _describe(site: Site, chain: _logits.Logits) -> None:
+    tw = tval(chain.weight)
+    tz = tval(chain.matmul)
+    v, d = (tw.shape[0], tw.shape[1]) if chain.weight_is_vd else (tw.shape[1], tw.shape[0])
+    site.vocab, site.hidden_dim, site.dtype = hint(v), hint(d), str(tz.dtype).replace("torch.", "")
+    rows = 1
+    for s in tz.shape[:-1]:
+        rows = rows * s
+    site.rows = str(rows)
+    n = hint(rows)
+    site.logits_bytes = None if n is None or site.vocab is None else n * site.vocab * tz.element_size()
+
+
+def _fused_reason(site: LossSite, chain: _logits.Logits, plan: dict) -> str:
+    parts = [f"reduction={site.reduction}"]
+    if site.ignore_index != -(2**31):
+        parts.append(f"ignore_index={site.ignore_index}")
+    if site.label_smoothing:
+        parts.append(f"label_smoothing={site.label_smoothing}")
+    if chain.bias is not None:
+        parts.append("bias")
+    if chain.logit_scale != 1.0:
+        parts.append(f"logit_scale={chain.logit_scale:g}")
+    if chain.softcap is not None:
+        parts.append(f"softcap={chain.softcap:g}")
+    if chain.index is not None:
+        parts.append("slice pushed onto the hidden states")
+    if not chain.weight_is_vd:
+        parts.append("[D, V] weight")
+    if plan["lse_users"]:
+        parts.append(f"{len(plan['lse_users'])} logsumexp mapped onto the op's lse")
+    if plan["escapes"]:
+        parts.append("logits still materialised for their other users (allow_escaping_logits)")
+    return "fused: " + ", ".join(parts)
+
+
+def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autocast) -> dict | str:
+    """Everything the rewrite needs, or the reason to decline."""
+    if autocast:
+        return autocast
+    tx, tw, tt = tval(chain.hidden), tval(chain.weight), tval(site.target)
+    tb = tval(chain.bias) if chain.bias is not None else None
+    if tx.dtype not in SUPPORTED_DTYPES:
+        return f"unsupported hidden dtype {tx.dtype}"
+    if tw.dtype != tx.dtype or (tb is not None and tb.dtype != tx.dtype):
+        return f"mixed dtypes: hidden {tx.dtype}, weight {tw.dtype}, bias {None if tb is None else tb.dtype}"
+    devices = {t.device for t in (tx, tw, tt, tb) if t is not None}
+    if len(devices) != 1 or next(iter(devices)).type not in SUPPORTED_DEVICES:
+        return f"unsupported device(s) {sorted(map(str, devices))}"
+    out_dtype = tval(site.loss).dtype
+    if out_dtype == torch.float64 and tx.dtype != torch.float64:
+        return "float64 loss of lower-precision logits: the op would compute in float32"
+    if chain.hidden.op == "get_attr" or not isinstance(chain.hidden, Node):
+        return "the hidden states are not a graph value"
+
+    owned = {*chain.nodes, *site.consumed, site.loss}
+    lse_users: dict = {}
+    escapes: list = []
+    for i, c in enumerate(chain.nodes):
+        for u in c.users:
+            if u in owned:
+                continue
+            m = z_loss.lse_of(u)
+            if m is not None and m[0] is c and i >= chain.final_from:
+                lse_users[u] = m[1]
+            else:
+                escapes.append(u)
+    for c in site.consumed:
+        escapes.extend(u for u in c.users if u not in owned)
+    for n in site.needs_lse_of:
+        if n not in lse_users:
+            return "the logsumexp does not read the same logits as the gather"
+    if escapes:
+        to_output = any(u.op == "output" for u in escapes)
+        if not allow_escaping:
+            if to_output:
+                return ESCAPE_REASON
+            names = ", ".join(sorted({u.name for u in escapes}))
+            return f"the logits have other users ({names}); options={{'xent.allow_escaping_logits': True}} fuses anyway"
+    # where the op goes: before the loss and before every logsumexp it replaces
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    anchor = min([site.loss, *lse_users], key=order.__getitem__)
+    inputs = [chain.hidden, chain.weight, chain.bias, site.target, site.shape_ref]
+    if any(isinstance(n, Node) and order[n] >= order[anchor] for n in inputs):
+        return "the targets are computed after a logsumexp of the logits"
+    if _mutated_between(gm, order, chain, anchor):
+        return "an in-place update of the hidden states or weight between the matmul and the loss"
+    # the shape of each replaced logsumexp: the leading dims of its input
+    h_lead = tval(chain.hidden).shape[:-1]
+    lse_shapes = {}
+    for u in lse_users:
+        lead = tval(u.args[0] if u.args else u.kwargs["input"]).shape[:-1]
+        if len(lead) == 1:
+            lse_shapes[u] = "rows"
+        elif chain.index is None and len(lead) == len(h_lead) and all(map(same, lead, h_lead)):
+            lse_shapes[u] = "hidden"
+        elif len(lead) == tt.dim() and all(map(same, lead, tt.shape)):
+            lse_shapes[u] = "target"
+        else:
+            return "a logsumexp of the logits with a shape the rewrite cannot rebuild"
+    return {
+        "anchor": anchor,
+        "lse_users": lse_users,
+        "lse_shapes": lse_shapes,
+        "escapes": escapes,
+        "escapes_to_output": any(u.op == "output" for u in escapes),
+    }
+
+
+def _mutated_between(gm, order, chain: _logits.Logits, anchor: Node) -> bool:
+    watched = {chain.hidden, chain.weight, chain.bias} - {None}
+    lo, hi = order[chain.matmul], order[anchor]
+    for n in gm.graph.nodes:
+        if lo < order[n] < hi and n.args and n.args[0] in watched:
+            name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+            if isinstance(name, str) and ((name.endswith("_") and not name.endswith("__")) or name in (
+                    "setitem", "iadd", "imul", "isub", "itruediv")):
+                return True
+    return False
+
+
+def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set) -> int:
+    graph = gm.graph
+    e = Emitter(graph, plan["anchor"], site.loss)
+    hidden = chain.hidden
+    if chain.index is not None:
+        hidden = e.getitem(hidden, chain.index)
+    hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
+    weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
+    target1d = e.method("reshape", site.target, -1)
+    out = e.call(
+        torch.ops.inductor_xent.linear_ce_fwd.default, hidden2d, weight, chain.bias, target1d,
+        int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
+        None if chain.softcap is None else float(chain.softcap), 0.0,
+    )
+    rows, lse = e.getitem(out, 0), e.getitem(out, 1)
+
+    # the loss
+    if site.reduction == "mean":
+        count = e.method("sum", e.call(operator.ne, target1d, int(site.ignore_index)))
+        loss = e.call(operator.truediv, e.method("sum", rows), count)
+    elif site.reduction == "sum":
+        loss = e.method("sum", rows)
+    else:
+        loss = e.method("view_as", rows, site.shape_ref)
+        if site.drop_last:
+            loss = e.method("squeeze", loss, -1)
+    if site.negate:
+        loss = e.call(operator.neg, loss)
+    loss = _cast_like(e, loss, site.loss)
+    site.loss.replace_all_uses_with(loss)
+
+    # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
+    for u, keepdim in plan["lse_users"].items():
+        shape = plan["lse_shapes"][u]
+        value = lse
+        if shape == "hidden":
+            value = e.method("view", lse, e.getitem(e.method("size", hidden), slice(None, -1)))
+        elif shape == "target":
+            value = e.method("view_as", lse, site.target)
+        if keepdim:
+            value = e.method("unsqueeze", value, -1)
+        u.replace_all_uses_with(_cast_like(e, value, u))
+
+    # erase what became dead (and only that: escaping logits stay for their other users)
+    candidates = [site.loss, *plan["lse_users"], *site.consumed, *site.aux, *reversed(chain.nodes)]
+    if not chain.weight_is_vd or chain.matmul.args[1:2] != (chain.weight,):
+        if len(chain.matmul.args) > 1 and isinstance(chain.matmul.args[1], Node):
+            candidates.append(chain.matmul.args[1])
+    avoided = 0
+    n_rows_v = _numel_hint(tval(chain.matmul))
+    changed = True
+    while changed:
+        changed = False
+        for n in candidates:
+            if n in erased or n.users or n is chain.weight:
+                continue
+            t = tval(n)
+            is_view = n.op == "call_method" and n.target in _VIEWS or n.target is operator.getitem
+            if t is not None and not is_view and n_rows_v and _numel_hint(t) == n_rows_v:
+                avoided += _numel_hint(t) * t.element_size()
+            graph.erase_node(n)
+            erased.add(n)
+            changed = True
+    return avoided
+
+
+def _cast_like(e: Emitter, node: Node, like: Node) -> Node:
+    want = tval(like).dtype
+    return node if tval(node).dtype == want else e.method("to", node, want)
+
+
+def _numel_hint(t) -> Optional[int]:
+    n = 1
+    for s in t.shape:
+        h = hint(s)
+        if h is None:
+            return None
+        n *= h
+    return n
+
+
+def _autocast_reason(gm) -> Optional[str]:
+    """Autocast changes the matmul's dtype behind the graph's back: decline inside it."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", ""):
+            return "autocast region in the graph (not supported yet)"
+    for dev in ("cpu", "cuda"):
+        try:
+            if torch.is_autocast_enabled(dev):
+                return f"autocast is enabled for {dev} (not supported yet)"
+        except (TypeError, RuntimeError):  # pragma: no cover - older signatures
+            pass
+    return None
+
+
+__all__ = ["Site", "run", "IDIOMS"]

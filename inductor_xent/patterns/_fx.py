@@ -1,0 +1,128 @@
+"""Small helpers over Dynamo FX graphs (torch IR): reading example values without adding guards,
+recognising call spellings, and creating nodes whose ``meta["example_value"]`` is computed in the
+graph's own fake mode.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def val(node: Any) -> Any:
+    """The node's example value (a FakeTensor for tensors), or the constant itself."""
+    if isinstance(node, Node):
+        return node.meta.get("example_value")
+    return node
+
+
+def tval(node: Any) -> Optional[torch.Tensor]:
+    """The example value if it is a tensor, else None."""
+    v = val(node)
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def same(a: Any, b: Any) -> bool:
+    """``a == b`` for ints or SymInts, without installing a guard (False when unknown)."""
+    return statically_known_true(a == b)
+
+
+def hint(x: Any) -> Optional[int]:
+    """A concrete value for an int or SymInt (its hint), without guarding; None when unknown."""
+    if isinstance(x, int):
+        return x
+    try:
+        h = x.node.hint
+        return None if h is None else int(h)
+    except Exception:  # noqa: BLE001 - unbacked or exotic symbols: no hint
+        return None
+
+
+def is_call(node: Any, function_targets=(), method_names=()) -> bool:
+    """True when ``node`` calls one of ``function_targets`` or a method named in ``method_names``."""
+    if not isinstance(node, Node):
+        return False
+    if node.op == "call_function":
+        return any(node.target is t for t in function_targets)
+    if node.op == "call_method":
+        return node.target in method_names
+    return False
+
+
+def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
+    """Positional argument ``index`` or keyword ``name`` of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def norm_dim(dim: Any, ndim: int) -> Optional[int]:
+    """``dim`` as a non-negative int, or None when it is not a plain int in range."""
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    if not isinstance(dim, int) or isinstance(dim, bool) or not -ndim <= dim < ndim:
+        return None
+    return dim % ndim
+
+
+def number(x: Any) -> Optional[float]:
+    """A Python int/float constant as float (bools and symbolic values excluded), else None."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return None
+    return float(x)
+
+
+def fake_mode_of(graph: Graph):
+    """The fake mode of the graph's example values (Dynamo's own; never TracingContext's)."""
+    for node in graph.nodes:
+        v = node.meta.get("example_value")
+        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
+            return v.fake_mode
+    return None
+
+
+class Emitter:
+    """Creates nodes before ``anchor`` and fills in their example values by running the call on
+    the inputs' example values in the graph's fake mode."""
+
+    def __init__(self, graph: Graph, anchor: Node, meta_from: Node):
+        self.graph = graph
+        self.anchor = anchor
+        self.meta_from = meta_from
+        self.fake_mode = fake_mode_of(graph)
+        self.created: list[Node] = []
+
+    def _example(self, op: str, target: Any, args: tuple, kwargs: dict) -> Any:
+        if self.fake_mode is None:
+            return None
+        fx_map = torch.fx.node.map_arg
+        a = fx_map(args, val)
+        k = fx_map(kwargs, val)
+        with self.fake_mode:
+            if op == "call_method":
+                return getattr(a[0], target)(*a[1:], **k)
+            return target(*a, **k)
+
+    def _make(self, op: str, target: Any, args: tuple, kwargs: Optional[dict] = None) -> Node:
+        kwargs = kwargs or {}
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, args, kwargs)
+        for key in ("stack_trace", "source_fn_stack", "nn_module_stack"):
+            if key in self.meta_from.meta:
+                node.meta[key] = self.meta_from.meta[key]
+        node.meta["example_value"] = self._example(op, target, args, kwargs)
+        self.created.append(node)
+        return node
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:
+        return self._make("call_function", target, args, kwargs)
+
+    def method(self, name: str, *args: Any, **kwargs: Any) -> Node:
+        return self._make("call_method", name, args, kwargs)
+
+    def getitem(self, node: Node, index: Any) -> Node:
+        return self.call(operator.getitem, node, index)

@@ -1,0 +1,252 @@
+"""Walk from the tensor a loss reads back to the lm_head matmul that produced it.
+
+Every idiom ends at "logits with the vocabulary last". This module recognises what may sit between
+the matmul and that tensor, and folds it into the op's arguments:
+
+* the matmul: ``torch._C._nn.linear`` (``nn.Linear`` / ``F.linear``, bias or not), ``@`` /
+  ``torch.matmul`` / ``torch.mm`` / ``.matmul`` with the weight as ``W.t()`` / ``W.T`` /
+  ``W.transpose(0, 1)`` of a ``[V, D]`` parameter, or a ``[D, V]`` weight used as is (the op then
+  gets the strided view ``W.t()``);
+* dtype casts (``.float()``, ``.to(dtype)``, ``.type_as``), ``view`` / ``reshape`` / ``flatten`` /
+  ``contiguous`` that keep the vocabulary as the last dimension;
+* multiplication or division by a Python number (-> ``logit_scale``), ``tanh`` between two such
+  factors (Gemma 2's ``final_logit_softcapping``: div -> tanh -> mul, -> ``softcap``);
+* a bias add of a ``[V]`` tensor right after the matmul;
+* a slice along the leading (batch/sequence) dimensions, which the rewrite applies to the hidden
+  states instead (``logits[:, :-1]`` -> ``hidden[:, :-1]``).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+from torch.fx import Node
+
+from ._fx import arg, is_call, norm_dim, number, same, tval
+
+LINEAR = (torch._C._nn.linear,)
+MATMUL = (operator.matmul, torch.matmul, torch.mm)
+MATMUL_METHODS = ("matmul", "mm", "__matmul__")
+CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as")
+VIEW_METHODS = ("view", "reshape", "flatten", "contiguous")
+VIEW_FUNCTIONS = (torch.reshape, torch.flatten)
+MUL = (operator.mul, torch.mul)
+DIV = (operator.truediv, torch.div, torch.true_divide)
+ADD = (operator.add, torch.add)
+TANH = (torch.tanh,)
+TRANSPOSE_METHODS = ("t", "transpose", "permute")
+
+
+@dataclass
+class Logits:
+    """The lm_head logits feeding a loss, and what the op needs to recompute them."""
+
+    matmul: Node
+    hidden: Node  # [..., D]
+    weight: Node  # [V, D] as stored, or [D, V] when weight_is_vd is False
+    weight_is_vd: bool
+    bias: Optional[Node] = None  # [V]
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    index: Any = None  # leading-dim slice to apply to the hidden states, or None
+    nodes: list = field(default_factory=list)  # matmul ... logits, in graph order
+    final_from: int = 0  # nodes[final_from:] hold the final logit values (for the lse mapping)
+
+    @property
+    def out(self) -> Node:
+        return self.nodes[-1]
+
+
+def _is_full_slice(s: Any) -> bool:
+    return isinstance(s, slice) and s.start is None and s.stop is None and s.step is None
+
+
+def _leading_slice(index: Any, ndim: int) -> bool:
+    """True when ``index`` only slices dimensions before the last (no ints, None or tensors)."""
+    items = index if isinstance(index, tuple) else (index,)
+    if not all(isinstance(i, slice) or i is Ellipsis for i in items):
+        return False
+    if sum(i is Ellipsis for i in items) > 1:
+        return False
+    if Ellipsis in items:
+        after = items[items.index(Ellipsis) + 1:]
+        return not after or _is_full_slice(after[-1])
+    return len(items) < ndim or _is_full_slice(items[-1])
+
+
+def _tensor_side(node: Node) -> tuple[Optional[Node], Any]:
+    """For a binary op ``a (op) b``: (the tensor operand, the other operand)."""
+    a, b = arg(node, 0, "input"), arg(node, 1, "other")
+    if isinstance(a, Node) and tval(a) is not None and not isinstance(b, Node):
+        return a, b
+    if isinstance(b, Node) and tval(b) is not None and not isinstance(a, Node):
+        return b, a
+    return None, None
+
+
+def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
+    """One op between matmul and loss: (kind, its logits input, payload), or None."""
+    out = tval(node)
+    if out is None or out.dim() < 1:
+        return None
+    if node.op == "call_method" and node.target in CAST_METHODS:
+        src = node.args[0]
+        ins = tval(src)
+        ok_kw = set(node.kwargs) <= {"dtype", "non_blocking", "copy", "device"}
+        if ins is not None and ok_kw and out.dtype.is_floating_point and out.device == ins.device \
+                and out.shape == ins.shape:
+            return "cast", src, None
+        return None
+    if is_call(node, VIEW_FUNCTIONS, VIEW_METHODS):
+        src = node.args[0]
+        ins = tval(src)
+        if ins is None or ins.dtype != out.dtype or out.dim() < 2 or not same(out.shape[-1], ins.shape[-1]):
+            return None
+        if node.target in ("flatten", torch.flatten):
+            # flatten must stop before the vocabulary dimension
+            end = arg(node, 2, "end_dim", -1)
+            if norm_dim(end, ins.dim()) == ins.dim() - 1:
+                return None
+        return ("view" if node.target != "contiguous" else "noop"), src, None
+    if node.op == "call_function" and node.target is operator.getitem:
+        src, index = node.args
+        ins = tval(src)
+        if ins is not None and _leading_slice(index, ins.dim()):
+            return "slice", src, index
+        return None
+    if is_call(node, MUL, ("mul",)) and not node.kwargs.get("out"):
+        src, k = _tensor_side(node)
+        k = number(k)
+        if src is not None and k is not None:
+            return "scale", src, k
+        return None
+    if is_call(node, DIV, ("div", "true_divide")) and not node.kwargs.get("rounding_mode") \
+            and not node.kwargs.get("out"):
+        src, k = arg(node, 0, "input"), number(arg(node, 1, "other"))
+        if isinstance(src, Node) and k not in (None, 0.0):
+            return "scale", src, 1.0 / k
+        return None
+    if is_call(node, TANH, ("tanh",)) and len(node.args) == 1 and not node.kwargs:
+        return "tanh", node.args[0], None
+    if is_call(node, ADD, ("add",)) and not node.kwargs:
+        a, b = node.args[:2] if len(node.args) >= 2 else (None, None)
+        for src, bias in ((a, b), (b, a)):
+            ts, tb = tval(src), tval(bias)
+            if ts is not None and tb is not None and tb.dim() == 1 and ts.dim() == out.dim() \
+                    and same(tb.shape[0], out.shape[-1]):
+                return "bias", src, bias
+        return None
+    return None
+
+
+def _is_matmul(node: Any) -> bool:
+    return is_call(node, LINEAR + MATMUL, MATMUL_METHODS)
+
+
+def _root(node: Node) -> Union[Logits, str]:
+    """The matmul node's operands, as a partially filled Logits, or a reason."""
+    if is_call(node, LINEAR):
+        x, w = arg(node, 0, "input"), arg(node, 1, "weight")
+        b = arg(node, 2, "bias")
+        tw = tval(w)
+        if tw is None or tw.dim() != 2:
+            return "the linear's weight is not a 2-D tensor"
+        return Logits(node, x, w, True, b if isinstance(b, Node) else None)
+    x, m = node.args[:2]
+    tm = tval(m)
+    if tm is None or tm.dim() != 2:
+        return "the matmul's right operand is not a 2-D weight"
+    # W.t() / W.T / W.transpose(0, 1) / W.permute(1, 0) of a [V, D] weight: use W itself
+    inner = m.args[0] if isinstance(m, Node) and m.args else None
+    is_t = (
+        is_call(m, (), ("t",))
+        or (m.op == "call_function" and m.target is getattr and m.args[1:] in (("T",), ("mT",)))
+        or (is_call(m, (torch.t,)))
+        or (is_call(m, (torch.transpose,), ("transpose",)) and {norm_dim(d, 2) for d in m.args[1:3]} == {0, 1})
+        or (is_call(m, (), ("permute",)) and tuple(m.args[1:]) in ((1, 0), ((1, 0),), ([1, 0],)))
+    )
+    if is_t and tval(inner) is not None and tval(inner).dim() == 2:
+        return Logits(node, x, inner, True)
+    return Logits(node, x, m, False)
+
+
+def trace(logits: Node) -> Union[Logits, str, None]:
+    """Logits for the tensor ``logits`` (vocabulary last), a reason to decline when an lm_head
+    matmul is there but something unsupported sits in between, or None when no matmul feeds it."""
+    steps: list[tuple[str, Node, Any, Node]] = []
+    node = logits
+    for _ in range(64):
+        if _is_matmul(node):
+            break
+        step = _step(node) if isinstance(node, Node) else None
+        if step is None:
+            return _unsupported(node)
+        steps.append((*step, node))
+        node = step[1]
+    else:
+        return None
+    root = _root(node)
+    if isinstance(root, str):
+        return root
+    tx = tval(root.hidden)
+    if tx is None or tx.dim() < 2:
+        return "the hidden states are not a [..., D] tensor with at least one row dimension"
+    root.nodes = [node]
+
+    # replay the steps forward, folding them into (bias, logit_scale, softcap, index)
+    scale, post, tanh_seen, reshaped = 1.0, None, False, False
+    final_from = 0
+    for kind, _src, payload, n in reversed(steps):
+        root.nodes.append(n)
+        if kind == "scale":
+            if tanh_seen:
+                post *= payload
+            else:
+                scale *= payload
+        elif kind == "tanh":
+            if tanh_seen:
+                return "two tanh between the matmul and the loss"
+            tanh_seen, post = True, 1.0
+        elif kind == "bias":
+            if root.bias is not None:
+                return "a second bias added to a linear that already has one"
+            if scale != 1.0 or tanh_seen:
+                return "a bias added after the logits were scaled or softcapped"
+            root.bias = payload
+        elif kind == "slice":
+            if reshaped:
+                return "a slice after the logits were reshaped"
+            if root.index is not None:
+                return "two slices between the matmul and the loss"
+            root.index = payload
+        elif kind == "view":
+            reshaped = True
+        if kind in ("scale", "tanh", "bias", "slice"):
+            final_from = len(root.nodes) - 1
+    root.final_from = final_from
+    if tanh_seen:
+        if post == 0.0 or not math.isfinite(post):
+            return f"softcap multiplier {post} is not a finite nonzero number"
+        root.softcap, root.logit_scale = abs(post), scale * post
+    else:
+        root.logit_scale = scale
+    if not math.isfinite(root.logit_scale):
+        return f"logit scale {root.logit_scale} is not finite"
+    return root
+
+
+def _unsupported(node: Any) -> Optional[str]:
+    """A reason when an lm_head matmul lies upstream of ``node`` through an op we cannot fold."""
+    cur = node
+    for _ in range(16):
+        if not isinstance(cur, Node) or not cur.args or not isinstance(cur.args[0], Node):
+            return None
+        cur = cur.args[0]
+        if _is_matmul(cur):
+            desc = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+            return f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name})"
+    return None

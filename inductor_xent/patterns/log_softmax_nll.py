@@ -1,0 +1,92 @@
+"""``F.nll_loss(F.log_softmax(z, -1), y)`` and ``-log_softmax(z).gather(-1, y[..., None])``.
+
+Mirrors older fairseq / torchtext training loops and the explicit two-step spelling in many
+tutorials (``logp = F.log_softmax(logits, dim=-1); loss = F.nll_loss(logp.view(-1, V), y.view(-1))``),
+and the "log-prob of the target" spelling of RL / DPO code (``torch.gather(logits.log_softmax(-1),
+-1, labels.unsqueeze(-1)).squeeze(-1)``, e.g. TRL's ``selective_log_softmax`` fallback): there the
+gathered value is ``-loss`` and the user's own masking and reduction stay.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+from ._fx import arg, is_call, norm_dim, same, tval
+from ._site import Decline, LossSite, integer_target, log_softmax, vocab_last
+
+PATTERN = "log_softmax_nll"
+_SIG = inspect.signature(F.nll_loss)
+
+
+def _logits_of_log_probs(x: Node, class_dim: int):
+    """(logits vocab-last, consumed nodes) when ``x`` is log_softmax of logits over the class dim."""
+    found = vocab_last(x, class_dim)
+    if found is not None:
+        lp, consumed = found
+        ls = log_softmax(lp)
+        t = tval(lp)
+        if ls is not None and ls[1] == t.dim() - 1:
+            return ls[0], (*consumed, lp)
+    # log_softmax over dim 1 of transposed logits: F.nll_loss(F.log_softmax(z.transpose(1, 2), 1), y)
+    ls = log_softmax(x)
+    if ls is not None and ls[1] == norm_dim(class_dim, tval(x).dim()):
+        found = vocab_last(ls[0], ls[1])
+        if found is not None:
+            return found[0], (*found[1], x)
+    return None
+
+
+def match(node: Node):
+    if is_call(node, (F.nll_loss,)):
+        return _match_nll(node)
+    if is_call(node, (torch.gather,), ("gather",)):
+        return _match_gather(node)
+    return None
+
+
+def _match_nll(node: Node):
+    try:
+        bound = _SIG.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return Decline(PATTERN, node, "nll_loss arguments not understood")
+    bound.apply_defaults()
+    a = bound.arguments
+    found = _logits_of_log_probs(a["input"], 1)
+    if found is None:
+        return None  # nll_loss of something else: not an lm_head site
+    if a["weight"] is not None:
+        return Decline(PATTERN, node, "class weights (weight=...) are not supported")
+    if a["size_average"] is not None or a["reduce"] is not None:
+        return Decline(PATTERN, node, "legacy size_average/reduce arguments")
+    reason = integer_target(a["target"])
+    if reason:
+        return Decline(PATTERN, node, reason)
+    ii, reduction = a["ignore_index"], a["reduction"]
+    if not isinstance(ii, int) or isinstance(ii, bool):
+        return Decline(PATTERN, node, f"ignore_index {ii!r} is not a Python int")
+    if reduction not in ("mean", "sum", "none"):
+        return Decline(PATTERN, node, f"reduction {reduction!r}")
+    logits, consumed = found
+    return LossSite(PATTERN, node, logits, a["target"], consumed, (), ii, reduction, 0.0, shape_ref=a["target"])
+
+
+def _match_gather(node: Node):
+    lp, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
+    ls = log_softmax(lp)
+    tl, ti = tval(lp), tval(index)
+    if ls is None or tl is None or ti is None or node.kwargs.get("sparse_grad"):
+        return None
+    if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1:
+        return None
+    if ti.dim() != tl.dim() or not same(ti.shape[-1], 1):
+        return Decline(PATTERN, node, "gather of more than one class per row")
+    if not all(same(a, b) for a, b in zip(ti.shape[:-1], tl.shape[:-1])):
+        return Decline(PATTERN, node, "gather index does not cover the logits' rows one to one")
+    reason = integer_target(index)
+    if reason:
+        return Decline(PATTERN, node, reason)
+    return LossSite(PATTERN, node, ls[0], index, (lp,), shape_ref=index, negate=True)

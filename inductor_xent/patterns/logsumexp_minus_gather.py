@@ -1,0 +1,69 @@
+"""``torch.logsumexp(z, -1) - z.gather(-1, y[..., None]).squeeze(-1)``: the loss from its definition.
+
+Mirrors hand-written losses in research code (e.g. PaLM/T5X-style z-loss implementations that need
+the lse anyway, ``lse = torch.logsumexp(logits, -1); loss = lse - logits.gather(-1, t[:, None])[:, 0]``).
+Both reads of ``z`` must see the same final logits; the logsumexp becomes the op's lse output (so a
+z-loss term on it keeps working) and the difference becomes the op's per-row loss.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import Node
+
+from ._fx import arg, is_call, norm_dim, same, tval
+from ._site import Decline, LossSite, integer_target
+from .z_loss import lse_of
+
+PATTERN = "logsumexp_minus_gather"
+_SUB = (operator.sub, torch.sub)
+
+
+def _gathered(node):
+    """(gather node, logits, index, squeezed) for ``z.gather(-1, idx)`` maybe squeezed to rows."""
+    squeezed = None
+    if is_call(node, (torch.squeeze,), ("squeeze",)) and len(node.args) == 2:
+        squeezed, node = node, node.args[0]
+    elif node is not None and is_call(node, (operator.getitem,)):
+        src, index = node.args
+        ts = tval(src)
+        if ts is not None and isinstance(index, tuple) and index[-1] == 0 and all(
+                i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index[:-1]) \
+                and (Ellipsis in index or len(index) == ts.dim()):
+            squeezed, node = node, src
+    if not is_call(node, (torch.gather,), ("gather",)) or node.kwargs.get("sparse_grad"):
+        return None
+    z, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
+    tz, ti = tval(z), tval(index)
+    if tz is None or ti is None or norm_dim(dim, tz.dim()) != tz.dim() - 1 or ti.dim() != tz.dim():
+        return None
+    if squeezed is not None and squeezed.op == "call_method" and squeezed.target == "squeeze" \
+            and norm_dim(squeezed.args[1], tz.dim()) != tz.dim() - 1:
+        return None
+    return node, z, index, squeezed
+
+
+def match(node: Node):
+    if not is_call(node, _SUB, ("sub",)) or node.kwargs or len(node.args) != 2:
+        return None
+    lse_node, g = node.args
+    found_lse = lse_of(lse_node)
+    found_g = _gathered(g) if isinstance(g, Node) else None
+    if found_lse is None or found_g is None:
+        return None
+    gather, z, index, squeezed = found_g
+    ti, tz, tout = tval(index), tval(z), tval(node)
+    if not same(ti.shape[-1], 1) or not all(same(a, b) for a, b in zip(ti.shape[:-1], tz.shape[:-1])):
+        return Decline(PATTERN, node, "gather index does not pick one class per row")
+    if tval(lse_node).dim() != tout.dim() or tval(g).dim() != tout.dim():
+        return Decline(PATTERN, node, "logsumexp and gathered logit broadcast against each other")
+    reason = integer_target(index)
+    if reason:
+        return Decline(PATTERN, node, reason)
+    consumed = (gather,) if squeezed is None else (gather, squeezed)
+    return LossSite(
+        PATTERN, node, z, index, consumed, shape_ref=index, drop_last=tout.dim() == ti.dim() - 1,
+        needs_lse_of=(lse_node,),
+    )

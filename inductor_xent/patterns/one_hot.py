@@ -1,0 +1,57 @@
+"""``-(F.one_hot(y, V) * F.log_softmax(z, -1)).sum(-1)``: cross-entropy written out by hand.
+
+Mirrors course and tutorial code (d2l.ai's "cross-entropy from scratch", JAX/optax-style ports such
+as ``-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)`` translated to torch). The sum is
+the target's log-probability, so it is replaced by ``-rows``; the negation and reduction the user
+wrote stay. ``num_classes`` must be the vocabulary size (``-1`` infers it from the data: declined).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch.fx import Node
+
+from ._fx import arg, is_call, norm_dim, same, tval
+from ._logits import CAST_METHODS
+from ._site import Decline, LossSite, integer_target, log_softmax
+
+PATTERN = "one_hot"
+_MUL = (operator.mul, torch.mul)
+
+
+def _one_hot(node):
+    """(class ids node, num_classes, nodes) when ``node`` is one_hot(y, n), maybe cast."""
+    chain = []
+    while isinstance(node, Node) and node.op == "call_method" and node.target in CAST_METHODS:
+        chain.append(node)
+        node = node.args[0]
+    if is_call(node, (F.one_hot,)):
+        return arg(node, 0, "tensor"), arg(node, 1, "num_classes", -1), (*chain, node)
+    return None
+
+
+def match(node: Node):
+    if not is_call(node, (torch.sum,), ("sum",)) or node.kwargs.get("dtype") is not None:
+        return None
+    src, dim, keep = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
+    if not is_call(src, _MUL, ("mul",)) or len(src.args) != 2 or src.kwargs:
+        return None
+    for oh, lp in (src.args, src.args[::-1]):
+        found, ls = _one_hot(oh), log_softmax(lp)
+        if found is not None and ls is not None:
+            break
+    else:
+        return None
+    y, num_classes, oh_nodes = found
+    tl = tval(lp)
+    if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1 or keep:
+        return Decline(PATTERN, node, "sum is not over the vocabulary dimension without keepdim")
+    if not isinstance(num_classes, int) or not same(num_classes, tl.shape[-1]):
+        return Decline(PATTERN, node, f"one_hot num_classes={num_classes!r} is not the vocabulary size")
+    reason = integer_target(y)
+    if reason:
+        return Decline(PATTERN, node, reason)
+    return LossSite(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, negate=True)
