@@ -1,0 +1,188 @@
+"""Backward kernels: dlogits for one vocabulary chunk, and the GEMM accumulation policy.
+
+The backward walks the vocabulary in chunks of Vc columns (``configs.dlogits_chunk``). Per chunk:
+
+1. ``lce_dlogits_kernel`` recomputes the chunk's logits (2·N·D·Vc FLOPs, ``tl.dot`` into fp32) and
+   writes the gradient of the loss w.r.t. the raw linear output, in the input dtype, ``[N, Vc]``:
+
+       p  = exp(z - lse)
+       dz = (g·(1 + 2·z_loss·lse) + h)·p − g·((1 − ε)·onehot(t) + ε/V)
+       dz ×= (1 − tanh²) if softcapped;  dz ×= logit_scale
+
+   with g = grad_loss (0 on ignored rows) and h = grad_lse; plus, for grad_bias, one fp32 column
+   sum of dz per row block (``[num_row_blocks, Vc]``, reduced by a deterministic ``sum(0)``).
+2. grad_weight[chunk] = dzᵀ · hidden: one full-D GEMM written straight into grad_weight (cuBLAS,
+   fp32 accumulate): the precision of a single GEMM, no accumulation across chunks.
+3. grad_hidden += dz · weight[chunk] into an fp32 ``[N, D]`` accumulator (cuBLAS ``addmm`` with
+   ``out_dtype=float32`` where this torch has it for the input dtype; else ``lce_acc_mm_kernel``),
+   cast to the input dtype once at the end.
+
+Total 8·N·D·V FLOPs with the forward (the logits are recomputed, never stored); extra memory
+N·D·4 + N·Vc·itemsize bytes (192 MiB at the llama3-8b shape). Deterministic: no atomics.
+dz is rounded to the input dtype before the two GEMMs exactly as in PyTorch's own backward of
+``F.linear(...).float()``, so the gradients have the same rounding as torch.compile's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .. import config as _config
+from .configs import KernelConfig
+from .forward import LOG2E, apply_epilogue, grouped_pid, logits_tile
+
+
+# ---------------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------------
+@triton.jit
+def lce_dlogits_kernel(
+    # pointers
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, grad_loss_ptr, grad_lse_ptr,
+    dz_ptr, dbias_ptr,
+    # sizes: this chunk is columns [v_start, v_start + chunk) of the V-column vocabulary
+    N, V, D, v_start, chunk,
+    # strides
+    stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_dz_n, stride_db_m,
+    # loss options
+    ignore_index, label_smoothing, logit_scale, softcap, z_loss,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile of dz for the chunk; the column sums into dbias[pid_m]."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(chunk, BLOCK_N), GROUP_M)
+
+    # ---- recompute the logits tile ---------------------------------------------------------
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < N
+    rows = tl.minimum(offs_m, N - 1).to(tl.int64)
+    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the chunk
+    offs_v = v_start + offs_c
+    col_mask = (offs_c < chunk) & (offs_v < V)
+    cols = tl.minimum(offs_v, V - 1).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_ptrs = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
+    w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
+    acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+    z, t = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+
+    # ---- dz = a·p − g·((1 − ε)·onehot + ε/V), chain rule of the cap and the scale -------------
+    tgt = tl.load(target_ptr + rows)
+    lse = tl.load(lse_ptr + rows)
+    g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
+    a = g * (1.0 + 2.0 * z_loss * lse) + tl.load(grad_lse_ptr + rows).to(tl.float32)
+    dz = a[:, None] * tl.exp2((z - lse[:, None]) * LOG2E)
+    hit = offs_v[None, :] == tgt[:, None]
+    dz -= tl.where(hit, ((1.0 - label_smoothing) * g)[:, None], 0.0)
+    dz -= (label_smoothing / V) * g[:, None]
+    if HAS_SOFTCAP:
+        dz *= 1.0 - t * t
+    dz *= logit_scale
+    live = row_mask[:, None] & col_mask[None, :]
+    dz = tl.where(live, dz, 0.0)
+
+    out = dz_ptr + rows[:, None] * stride_dz_n + offs_c[None, :]
+    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=live)
+    if NEED_DBIAS:
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_c, tl.sum(dz, axis=0),
+                 mask=offs_c < chunk)
+
+
+@triton.jit
+def lce_acc_mm_kernel(
+    # pointers: acc (M, K) fp32 += a (M, R) @ b (R, K)
+    acc_ptr, a_ptr, b_ptr,
+    # sizes
+    M, K, R,
+    # strides
+    stride_acc_m, stride_acc_k, stride_a_m, stride_a_r, stride_b_r, stride_b_k,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """fp32 accumulate-GEMM for grad_hidden (BLOCK_N tiles K = D, BLOCK_K steps R = Vc)."""
+    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_m, M - 1).to(tl.int64)
+    cols = tl.minimum(offs_n, K - 1).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + rows[:, None] * stride_a_m + offs_r[None, :] * stride_a_r
+    b_ptrs = b_ptr + cols[None, :] * stride_b_k + offs_r[:, None] * stride_b_r
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r in tl.range(0, R, BLOCK_K, num_stages=NUM_STAGES):
+        r_mask = offs_r < R - r
+        a = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=r_mask[:, None], other=0.0)
+        if DOT_UPCAST:  # the interpreter's bf16 tl.dot is wrong: see forward.py
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_a_r
+        b_ptrs += BLOCK_K * stride_b_r
+    mask = (offs_m < M)[:, None] & (offs_n < K)[None, :]
+    out = acc_ptr + rows[:, None] * stride_acc_m + cols[None, :] * stride_acc_k
+    tl.store(out, tl.load(out, mask=mask) + acc, mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# GEMM accumulation policy
+# ---------------------------------------------------------------------------------------------
+@functools.cache
+def _cublas_fp32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs for ``dtype`` inputs here
+    (aten::addmm.dtype: CUDA, bf16/fp16, torch >= 2.8). Probed once on 1x1 tensors; no sync."""
+    if device.type != "cuda":
+        return False
+    try:
+        one = torch.ones((1, 1), device=device, dtype=dtype)
+        torch.addmm(torch.zeros((1, 1), device=device), one, one, out_dtype=torch.float32)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def accumulate_grad_hidden(
+    acc: Tensor,  # (N, D) float32, updated in place
+    dz: Tensor,  # (N, Vc) input dtype
+    w: Tensor,  # (Vc, D) input dtype
+    cfg: KernelConfig,
+    input_precision: str,
+) -> None:
+    """acc += dz @ w with fp32 accumulation and an fp32 result (never rounded to the input dtype)."""
+    if dz.dtype == torch.float32:
+        acc.addmm_(dz, w)  # fp32 GEMM; honours torch.backends.cuda.matmul.allow_tf32 like torch
+    elif _cublas_fp32_out(dz.device, dz.dtype):
+        torch.addmm(acc, dz, w, out_dtype=torch.float32, out=acc)
+    else:
+        n, d = acc.shape
+        grid = (triton.cdiv(n, cfg.block_m) * triton.cdiv(d, cfg.block_n),)
+        lce_acc_mm_kernel[grid](
+            acc, dz, w, n, d, dz.shape[1],
+            acc.stride(0), acc.stride(1), dz.stride(0), dz.stride(1), w.stride(0), w.stride(1),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            INPUT_PRECISION=input_precision, NUM_STAGES=cfg.num_stages,
+            DOT_UPCAST=_config.triton_interpret(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def grad_weight_chunk(
+    out: Tensor,  # (Vc, D) weight dtype: rows of grad_weight
+    dz: Tensor,  # (N, Vc) input dtype
+    hidden: Tensor,  # (N, D)
+) -> None:
+    """out = dzᵀ @ hidden: one GEMM over all N rows with fp32 accumulation, rounded once."""
+    if dz.device.type == "cpu" and dz.dtype != torch.float32:
+        out.copy_(torch.mm(dz.t().float(), hidden.float()))  # CPU (interpreter tests) only
+    else:
+        torch.mm(dz.t(), hidden, out=out)

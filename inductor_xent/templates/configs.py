@@ -1,0 +1,115 @@
+"""Named tuning configs of the Triton kernels, and the tables that pick them.
+
+Policy (STYLE.md rule 3): no ``@triton.autotune`` in the op. Every launch takes a named config from a
+table keyed on the dtype class and a bucket of D, so a shape compiles once and the choice is
+reproducible; ``benchmarks/bench_kernels.py --sweep`` times the candidates below on the GPU and the
+measurement that justified each default is written next to it (and in ``benchmarks/NOTES.md``).
+Under ``TRITON_INTERPRET=1`` one tiny config serves every launch (the interpreter is ~10^5x slower).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .. import config as _config
+
+
+class KernelConfig(NamedTuple):
+    """Tile shape and launch parameters of one matmul-with-epilogue kernel."""
+
+    block_m: int  # rows of hidden per program
+    block_n: int  # vocabulary columns per tile
+    block_k: int  # reduction (D) step
+    group_m: int  # row blocks per L2 group (grouped ordering: the W tiles of a group stay in L2)
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the D loop
+    ctas_per_sm: int = 1  # expected residency, used only to size the vocabulary split
+    flatten: bool = False  # tl.range(flatten=True): one pipelined loop over (vocab tile, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# candidates (names are used by the benchmark's --sweep and in NOTES.md)
+# ---------------------------------------------------------------------------------------------
+CONFIGS: dict[str, KernelConfig] = {
+    # the usual best Triton bf16 GEMM tile on Hopper: 128x256 fp32 accumulator over 2 warpgroups,
+    # 48 KiB of shared memory per stage
+    "m128n256k64w8s3": KernelConfig(128, 256, 64, 8, 8, 3),
+    "m128n256k64w8s4": KernelConfig(128, 256, 64, 8, 8, 4),
+    "m128n256k64w8s3f": KernelConfig(128, 256, 64, 8, 8, 3, flatten=True),
+    # smaller accumulator: 2 CTAs per SM, so one program's softmax epilogue overlaps the other's
+    # matmul (96 KiB of shared memory each at 3 stages)
+    "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3, ctas_per_sm=2),
+    "m128n128k64w4s4": KernelConfig(128, 128, 64, 8, 4, 4),
+    "m256n128k64w8s3": KernelConfig(256, 128, 64, 8, 8, 3),
+    # fp32 operands: 4-byte elements halve the tile per stage
+    "m128n128k32w8s3": KernelConfig(128, 128, 32, 8, 8, 3),
+    "m64n128k32w4s3": KernelConfig(64, 128, 32, 8, 4, 3, ctas_per_sm=2),
+    # the interpreter: tl.dot needs every dimension >= 16
+    "interpret": KernelConfig(16, 32, 16, 2, 4, 1),
+}
+
+# (kernel, operand bytes) -> config name. D is not bucketed yet: the sweep on the H200 found no D
+# for which another tile won by more than the run-to-run spread (see NOTES.md).
+FORWARD_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
+DLOGITS_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
+# the fp32 accumulate-GEMM used for grad_hidden where cuBLAS cannot write fp32 from bf16 inputs
+ACC_MM_TABLE: dict[int, str] = {2: "m128n128k64w4s4", 4: "m64n128k32w4s3"}
+
+# Programs per SM slot that the forward aims for when it splits the vocabulary: enough waves that
+# the last one's tail is a small fraction, few enough that the partials stay tiny.
+FORWARD_MAX_WAVES = 16
+
+# Extra memory the backward may hold at once: the fp32 grad_hidden accumulator (N*D*4 bytes) plus
+# one chunk of dlogits (N*Vc in the input dtype). 192 MiB keeps the llama3-8b shape (N=8192,
+# D=4096: 128 MiB accumulator, Vc=4096) under the issue's 200 MiB; a chunk never gets less than
+# BWD_MIN_CHUNK_BYTES, so very large N*D still makes progress with GEMMs of useful size.
+BWD_EXTRA_BYTES = 192 * 2**20
+BWD_MIN_CHUNK_BYTES = 32 * 2**20
+
+
+def _pick(table: dict[int, str], dtype: torch.dtype) -> KernelConfig:
+    if _config.triton_interpret():
+        return CONFIGS["interpret"]
+    return CONFIGS[table[torch.finfo(dtype).bits // 8]]
+
+
+def forward_config(dtype: torch.dtype) -> KernelConfig:
+    return _pick(FORWARD_TABLE, dtype)
+
+
+def dlogits_config(dtype: torch.dtype) -> KernelConfig:
+    return _pick(DLOGITS_TABLE, dtype)
+
+
+def acc_mm_config(dtype: torch.dtype) -> KernelConfig:
+    return _pick(ACC_MM_TABLE, dtype)
+
+
+def vocab_split(num_row_blocks: int, num_tiles: int, num_slots: int) -> tuple[int, int]:
+    """(splits, tiles per split) for the forward grid ``num_row_blocks x splits``.
+
+    Programs all do ``tiles per split`` tiles (the last split fewer), so the time is about
+    ``ceil(programs / slots) * tiles_per_split`` tiles plus a ramp per program; pick the split
+    with the least modelled time, among at most FORWARD_MAX_WAVES waves."""
+    best = None
+    max_splits = max(1, min(num_tiles, (FORWARD_MAX_WAVES * num_slots) // max(1, num_row_blocks)))
+    for splits in range(1, max_splits + 1):
+        per_split = -(-num_tiles // splits)
+        real = -(-num_tiles // per_split)
+        waves = -(-(num_row_blocks * real) // num_slots)
+        cost = waves * (per_split + 0.5)  # 0.5 tile: pipeline ramp + partial write per program
+        if best is None or cost < best[0]:
+            best = (cost, real, per_split)
+    return best[1], best[2]
+
+
+def dlogits_chunk(n: int, d: int, v: int, itemsize: int, needs_hidden_acc: bool, block_n: int) -> int:
+    """Vocabulary columns per backward chunk: the dlogits chunk and the accumulator fit in
+    BWD_EXTRA_BYTES; a multiple of the kernel's block_n; never more than V needs."""
+    acc = n * d * 4 if needs_hidden_acc else 0
+    budget = max(BWD_MIN_CHUNK_BYTES, BWD_EXTRA_BYTES - acc)
+    cols = budget // max(1, n * itemsize)
+    cols = max(block_n, cols // block_n * block_n)
+    return min(cols, -(-v // block_n) * block_n)

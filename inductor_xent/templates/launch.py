@@ -1,0 +1,195 @@
+"""Launchers of the fused linear + cross-entropy kernels: check, allocate, launch.
+
+``forward`` and ``backward`` are what ``ops.py`` calls for CUDA tensors (and for CPU tensors under
+``TRITON_INTERPRET=1``). Neither synchronises with the host (CUDA-graph capturable), neither copies
+``weight`` (strides go to the kernels; ``W_dv.t()`` works as is), and both are deterministic: the
+vocabulary splits are combined in a fixed order and no kernel uses atomics.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from .. import config
+from ..options import LossOptions
+from . import configs
+from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
+from .configs import KernelConfig
+from .forward import lce_combine_kernel, lce_fwd_kernel
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+COMBINE_BLOCK = 128
+
+
+def unsupported_reason(hidden: Tensor) -> Optional[str]:
+    """None when the kernels can run on ``hidden``'s device and dtype, else a one-line reason."""
+    if hidden.dtype not in _DTYPES:
+        return f"dtype {hidden.dtype} is not one of bfloat16, float16, float32"
+    if hidden.device.type == "cuda":
+        return None
+    if hidden.device.type == "cpu":
+        if config.triton_interpret():
+            return None
+        return "CPU tensors need TRITON_INTERPRET=1 (set before triton kernels are defined)"
+    return f"device {hidden.device.type!r} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"
+
+
+def _input_precision(dtype: torch.dtype) -> str:
+    """IEEE fp32 dots for fp32 inputs unless the user allowed TF32 for matmuls, as torch does."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _options(opts: LossOptions) -> tuple[float, float]:
+    """(logit_scale, softcap) as kernel scalars; softcap is unused when None."""
+    return float(opts.logit_scale), 1.0 if opts.softcap is None else float(opts.softcap)
+
+
+# ---------------------------------------------------------------------------------------------
+# forward
+# ---------------------------------------------------------------------------------------------
+def forward(
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,) int64
+    opts: LossOptions,
+    *,
+    cfg: Optional[KernelConfig] = None,  # the benchmark's --sweep; the table's choice otherwise
+) -> tuple[Tensor, Tensor]:
+    """Per-row loss (0 on ignored rows) and logsumexp (every row), both (N,) float32."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    if n == 0:
+        return loss, lse
+    cfg = cfg or configs.forward_config(hidden.dtype)
+    target = target.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    num_m = triton.cdiv(n, cfg.block_m)
+    splits, tiles_per_split = configs.vocab_split(
+        num_m, triton.cdiv(v, cfg.block_n), _num_sms(hidden.device) * cfg.ctas_per_sm
+    )
+    need_sum_z = opts.label_smoothing != 0.0
+    part = torch.empty((3 + need_sum_z, splits, n), dtype=torch.float32, device=hidden.device)
+    logit_scale, softcap = _options(opts)
+    lce_fwd_kernel[(num_m * splits,)](
+        hidden, weight, bias, target, part,
+        n, v, d, tiles_per_split, splits,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        logit_scale, softcap,
+        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
+        NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, DOT_UPCAST=config.triton_interpret(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
+        part, target, loss, lse,
+        n, v, splits,
+        int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss),
+        NEED_SUM_Z=need_sum_z, BLOCK=COMBINE_BLOCK,
+    )
+    return loss, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# backward
+# ---------------------------------------------------------------------------------------------
+def _grad_weight_buffer(weight: Tensor, needed: bool) -> Tensor:
+    """grad_weight with weight's strides when they are dense (a [D, V] model weight passed as
+    ``W_dv.t()`` gets a gradient whose ``.t()`` is contiguous: no copy in AccumulateGrad)."""
+    if not needed:
+        return weight.new_empty((0,))
+    if weight.is_contiguous() or weight.t().is_contiguous():
+        return torch.empty_like(weight)
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+
+
+def backward(
+    grad_loss: Tensor,  # (N,)
+    grad_lse: Tensor,  # (N,)
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,) int64
+    lse: Tensor,  # (N,) float32
+    opts: LossOptions,
+    needs: tuple[bool, bool, bool],
+    *,
+    cfg: Optional[KernelConfig] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(grad_hidden, grad_weight, grad_bias) in the dtypes of hidden, weight, bias; a gradient not
+    in ``needs`` is an empty (0,) tensor and is not computed."""
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    n, d = hidden.shape
+    v = weight.shape[0]
+    grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
+    grad_w = _grad_weight_buffer(weight, need_w)
+    grad_b = torch.empty((v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype,
+                         device=weight.device)
+    if n == 0 or not (need_h or need_w or need_b):
+        grad_w.zero_()
+        grad_b.zero_()
+        return grad_h, grad_w, grad_b
+
+    cfg = cfg or configs.dlogits_config(hidden.dtype)
+    # (N,) and (V,) vectors: a mean's grad_loss arrives expanded (stride 0); copies are tiny
+    grad_loss, grad_lse, target, lse = (t.contiguous() for t in (grad_loss, grad_lse, target, lse))
+    bias = None if bias is None else bias.contiguous()
+    precision = _input_precision(hidden.dtype)
+    fp32_acc = need_h and hidden.dtype != torch.float32
+    chunk = configs.dlogits_chunk(n, d, v, hidden.element_size(), fp32_acc, cfg.block_n)
+    num_m = triton.cdiv(n, cfg.block_m)
+    # Under the interpreter the kernel writes fp32 and torch rounds: Triton 3.6's interpreter casts
+    # fp32 -> bf16 by truncation (measured: mean relative error 2.8e-3 against 1.4e-3 for
+    # round-to-nearest), which would double the gradients' error. On the GPU the cast is RNE.
+    dz_dtype = torch.float32 if config.triton_interpret() else hidden.dtype
+    dz_buf = torch.empty((n, chunk), dtype=dz_dtype, device=hidden.device)
+    dbias = torch.empty((num_m, chunk) if need_b else (0, 0), dtype=torch.float32, device=hidden.device)
+    acc = None
+    if need_h:
+        acc = torch.zeros((n, d), dtype=torch.float32, device=hidden.device) if fp32_acc else grad_h.zero_()
+    logit_scale, softcap = _options(opts)
+    acc_cfg = configs.acc_mm_config(hidden.dtype)
+
+    for v0 in range(0, v, chunk):
+        cols = min(chunk, v - v0)
+        dz = dz_buf[:, :cols]
+        lce_dlogits_kernel[(num_m * triton.cdiv(cols, cfg.block_n),)](
+            hidden, weight, bias, target, lse, grad_loss, grad_lse, dz, dbias,
+            n, v, d, v0, cols,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            dz.stride(0), dbias.stride(0),
+            int(opts.ignore_index), float(opts.label_smoothing), logit_scale, softcap, float(opts.z_loss),
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_DBIAS=need_b,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
+            DOT_UPCAST=config.triton_interpret(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        dz = dz.to(hidden.dtype)
+        if need_w:
+            grad_weight_chunk(grad_w[v0:v0 + cols], dz, hidden)
+        if need_h:
+            accumulate_grad_hidden(acc, dz, weight[v0:v0 + cols], acc_cfg, precision)
+        if need_b:
+            grad_b[v0:v0 + cols] = dbias[:, :cols].sum(dim=0)
+    if fp32_acc:
+        grad_h.copy_(acc)
+    return grad_h, grad_w, grad_b
