@@ -1,0 +1,342 @@
+"""Kernel benchmark: fused linear + cross-entropy against cuBLAS, eager, torch.compile and peers.
+
+    python -m inductor_xent bench kernels [--shapes llama3-8b,gpt2] [--data gauss,zipf]
+        [--methods ours,compile,...] [--out DIR] [--quick] [--sweep]
+
+Accounting (printed with the table):
+- time: ``triton.testing.do_bench(..., return_mode="median")`` after warm-up (L2 flushed before
+  each run by do_bench; the inputs are GBs, larger than the 60 MB L2, so no rotation is needed).
+  "fwd" is the loss with inputs that require grad (training mode: whatever the method saves for
+  backward is paid here); "inf fwd" is under ``torch.no_grad()``; "fwd+bwd" computes the loss and
+  ``torch.autograd.grad`` w.r.t. hidden and weight.
+- TFLOP/s: 2·N·D·V / fwd time and 8·N·D·V / fwd+bwd time for every method (the recompute
+  accounting: methods that store the logits do 6·N·D·V, so their true rate is 3/4 of the figure).
+- extra MiB: peak allocation during fwd+bwd minus the allocation before it and minus the two
+  gradient buffers (N·D + V·D elements in the input dtype).
+- errors: ‖x − ref‖/‖ref‖ against an fp32 reference (fp32 matmul, TF32 off) on the same inputs:
+  the mean loss, grad_hidden, grad_weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import DATA, IGNORE_INDEX, SHAPES, make_data  # noqa: E402
+
+METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "cce", "ours")
+MiB = 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# the methods: each returns fn(hidden, weight, target) -> mean loss
+# ---------------------------------------------------------------------------------------------
+def _eager(h, w, t):
+    return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=IGNORE_INDEX)
+
+
+def build(name):
+    if name == "eager":
+        return _eager
+    if name == "compile":
+        torch._dynamo.reset()
+        return torch.compile(_eager)
+    if name == "compile_chunker":
+        import torch._inductor.config as inductor_config
+
+        torch._dynamo.reset()
+        compiled = torch.compile(_eager)
+
+        def fn(h, w, t):
+            with inductor_config.patch({"auto_chunker.enable": True}):
+                return compiled(h, w, t)
+
+        return fn
+    if name == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+    if name == "cce":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+    if name == "ours":
+        os.environ.setdefault("INDUCTOR_XENT_IMPL", "auto")
+        from inductor_xent import linear_cross_entropy
+
+        return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+    raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
+
+
+def reference(h, w, t):
+    """fp32 loss and grads (fp32 matmul, TF32 off) of the same bf16 inputs."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h32 = h.float().requires_grad_()
+        w32 = w.float().requires_grad_()
+        loss = _eager(h32, w32, t)
+        gh, gw = torch.autograd.grad(loss, (h32, w32))
+        return loss.detach(), gh, gw
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def rel_err(x, ref):
+    return ((x.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# measuring
+# ---------------------------------------------------------------------------------------------
+def bench_ms(fn, quick, long):
+    from triton.testing import do_bench
+
+    rep = (200 if quick else 500) * (2 if long else 1)
+    return do_bench(fn, warmup=50 if quick else 100, rep=rep, return_mode="median")
+
+
+def measure_cublas(h, w, t, quick):
+    """The GEMMs alone: one for the forward, three (logits, dH, dW) for forward+backward."""
+
+    def three():
+        z = h @ w.t()
+        return z @ w, z.t() @ h
+
+    fwd = bench_ms(lambda: h @ w.t(), quick, False)
+    return {"fwd_ms": fwd, "inf_fwd_ms": fwd, "fwdbwd_ms": bench_ms(three, quick, True)}
+
+
+def measure(name, fn, h, w, t, ref, quick):
+    hr, wr = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    # correctness (and compilation) first
+    loss = fn(hr, wr, t)
+    gh, gw = torch.autograd.grad(loss, (hr, wr))
+    row = {
+        "err_loss": abs(loss.item() - ref[0].item()) / abs(ref[0].item()),
+        "err_grad_hidden": rel_err(gh, ref[1]),
+        "err_grad_weight": rel_err(gw, ref[2]),
+    }
+    del loss, gh, gw
+    # memory: peak during one fwd+bwd, minus what existed before and the two gradients
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    gh, gw = torch.autograd.grad(fn(hr, wr, t), (hr, wr))
+    torch.cuda.synchronize()
+    row["extra_mib"] = (torch.cuda.max_memory_allocated() - base - gh.nbytes - gw.nbytes) / MiB
+    del gh, gw
+    # time
+    row["fwd_ms"] = bench_ms(lambda: fn(hr, wr, t), quick, False)
+    row["fwdbwd_ms"] = bench_ms(lambda: torch.autograd.grad(fn(hr, wr, t), (hr, wr)), quick, True)
+    if name == "ours":
+        with torch.no_grad():
+            row["inf_fwd_ms"] = bench_ms(lambda: fn(h, w, t), quick, False)
+    return row
+
+
+def kernel_stats():
+    """Registers, spills, shared memory and HGMMA count of every compiled kernel of ours."""
+    from inductor_xent.templates import backward, forward
+
+    stats = {}
+    for kern in (forward.lce_fwd_kernel, backward.lce_dlogits_kernel, backward.lce_acc_mm_kernel):
+        for cache in getattr(kern, "device_caches", {}).values():
+            for i, compiled in enumerate(cache[0].values()):
+                entry = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
+                         "shared": compiled.metadata.shared}
+                try:
+                    sass = compiled.asm["sass"]
+                    entry["hgmma"] = sass.count("HGMMA")
+                    entry["hmma"] = sass.count("HMMA")
+                except Exception as exc:  # cuobjdump missing
+                    entry["sass"] = repr(exc)[:80]
+                stats[f"{kern.fn.__name__}#{i}"] = entry
+    return stats
+
+
+def time_config(cfg, h, w, t, quick):
+    """Forward and backward (dH and dW) through the launchers with one kernel config."""
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import launch
+
+    o, n = LossOptions(), h.shape[0]
+    gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
+    _, lse = launch.forward(h, w, None, t, o, cfg=cfg)
+    return {
+        "fwd_ms": bench_ms(lambda: launch.forward(h, w, None, t, o, cfg=cfg), quick, False),
+        "bwd_ms": bench_ms(lambda: launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False), cfg=cfg),
+                           quick, True),
+    }
+
+
+def sweep(shapes, quick, out):
+    """Time each candidate config of the forward and of the backward (launch.* with cfg=)."""
+    from inductor_xent.templates import configs
+
+    names = ["m128n256k64w8s3", "m128n256k64w8s4", "m128n256k64w8s3f", "m128n128k64w8s3",
+             "m128n128k64w4s4", "m256n128k64w8s3"]
+    rows = []
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        h, w, t = make_data(shape, "gauss")
+        flops = 2 * shape.n * shape.d * shape.v
+        for name in names:
+            row = {"shape": shape_name, "config": name}
+            try:
+                row.update(time_config(configs.CONFIGS[name], h, w, t, quick))
+                row["fwd_tflops"] = flops / row["fwd_ms"] / 1e9
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    stats = kernel_stats()
+    for k, v in stats.items():
+        print(k, v)
+    (out / "sweep.json").write_text(json.dumps({"rows": rows, "kernels": stats}, indent=1))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+def env_info():
+    import triton
+
+    from inductor_xent.templates.backward import _cublas_fp32_out
+
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cublas_addmm_fp32_out_bf16": _cublas_fp32_out(torch.device("cuda", torch.cuda.current_device()),
+                                                       torch.bfloat16),
+        "command": " ".join(sys.argv),
+    }
+
+
+def fmt(x, spec):
+    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def markdown(rows, info):
+    lines = [
+        f"GPU {info['gpu']}, torch {info['torch']}, triton {info['triton']}, {info['date']}; bf16; "
+        "median ms (do_bench); TFLOP/s = 2NDV/fwd and 8NDV/fwd+bwd for every method; errors vs fp32 "
+        "reference (TF32 off).",
+        "",
+        "| shape | data | method | fwd ms | inf fwd ms | fwd+bwd ms | extra MiB | err loss | err dH | err dW "
+        "| fwd TFLOP/s | fwd+bwd TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | {r['data']} | {r['method']} | failed: {r['error'][:80]} "
+                         "| | | | | | | | |")
+            continue
+        lines.append(
+            f"| {r['shape']} | {r['data']} | {r['method']} | {fmt(r.get('fwd_ms'), '.2f')} "
+            f"| {fmt(r.get('inf_fwd_ms'), '.2f')} | {fmt(r.get('fwdbwd_ms'), '.2f')} "
+            f"| {fmt(r.get('extra_mib'), '.0f')} | {fmt(r.get('err_loss'), '.1e')} "
+            f"| {fmt(r.get('err_grad_hidden'), '.1e')} | {fmt(r.get('err_grad_weight'), '.1e')} "
+            f"| {fmt(r.get('fwd_tflops'), '.0f')} | {fmt(r.get('fwdbwd_tflops'), '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, info, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    groups = sorted({(r["shape"], r["data"]) for r in rows})
+    methods = [m for m in METHODS if any(r["method"] == m and "fwdbwd_ms" in r for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / max(1, len(methods))
+    for ax, key, label in ((axes[0], "fwd_ms", "forward ms"), (axes[1], "fwdbwd_ms", "forward+backward ms")):
+        for i, m in enumerate(methods):
+            vals = [next((r.get(key, 0) for r in rows if (r["shape"], r["data"]) == g and r["method"] == m), 0)
+                    for g in groups]
+            ax.bar([j + i * width for j in range(len(groups))], vals, width, label=m)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(groups))])
+        ax.set_xticklabels([f"{s}\n{d}" for s, d in groups])
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{info['gpu']} · torch {info['torch']} · triton {info['triton']} · {info['date']} · bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="llama3-8b,gemma2-2b,gpt2", help=f"from {', '.join(SHAPES)}")
+    p.add_argument("--data", default=",".join(DATA))
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--out", default="out")
+    p.add_argument("--quick", action="store_true", help="fewer timed runs")
+    p.add_argument("--sweep", action="store_true", help="time the kernel configs instead")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = args.shapes.split(",")
+    if args.sweep:
+        sweep(shapes, args.quick, out)
+        return 0
+    info = env_info()
+    rows = []
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        for data in args.data.split(","):
+            h, w, t = make_data(shape, data)
+            ref = reference(h, w, t)
+            for method in args.methods.split(","):
+                row = {"shape": shape_name, "data": data, "method": method}
+                try:
+                    if method == "cublas":
+                        row.update(measure_cublas(h, w, t, args.quick))
+                    else:
+                        row.update(measure(method, build(method), h, w, t, ref, args.quick))
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+                    traceback.print_exc(limit=2)
+                flops = shape.n * shape.d * shape.v
+                if "fwd_ms" in row:
+                    row["fwd_tflops"] = 2 * flops / row["fwd_ms"] / 1e9
+                if "fwdbwd_ms" in row:
+                    row["fwdbwd_tflops"] = 8 * flops / row["fwdbwd_ms"] / 1e9
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
+            del h, w, t, ref
+            torch.cuda.empty_cache()
+    info["kernels"] = kernel_stats()
+    (out / "bench_kernels.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    plot(rows, info, out / "bench_kernels.png")
+    print(json.dumps(info["kernels"]))
+    print(markdown(rows, info))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Benchmark shapes and data sets (DESIGN.md "Benchmark data")."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+class Shape(NamedTuple):
+    n: int  # tokens (rows of hidden)
+    d: int  # hidden size
+    v: int  # vocabulary
+
+
+SHAPES: dict[str, Shape] = {
+    "llama3-8b": Shape(8192, 4096, 128256),
+    "gemma2-2b": Shape(8192, 2304, 256000),
+    "gpt2": Shape(16384, 768, 50257),  # unaligned V: cuBLAS is slow there, masked tiles are not
+    # smaller shapes for --quick and the GPU tests
+    "small": Shape(2048, 1024, 32000),
+}
+
+DATA = ("gauss", "zipf")
+
+
+def make_data(shape: Shape, data: str, dtype=torch.bfloat16, device="cuda", seed=0):
+    """(hidden (N, D), weight (V, D), target (N,)) as DESIGN.md defines them.
+
+    gauss: hidden ~ N(0, 1), weight ~ N(0, (3/sqrt(D))^2) (logits have std ~3), uniform targets.
+    zipf:  as gauss, plus one constant hidden feature 4.0 whose weight column is
+           -1.1*log(1 + token_id)/4 (a Zipf prior); targets sampled from the resulting softmax.
+    In both, every 17th target is ignore_index."""
+    n, d, v = shape
+    g = torch.Generator(device=device).manual_seed(seed)
+    h = torch.randn(n, d, device=device, generator=g)
+    w = torch.randn(v, d, device=device, generator=g) * (3.0 / math.sqrt(d))
+    if data == "gauss":
+        t = torch.randint(0, v, (n,), device=device, generator=g)
+    elif data == "zipf":
+        h[:, 0] = 4.0
+        w[:, 0] = -1.1 * torch.log1p(torch.arange(v, device=device, dtype=torch.float32)) / 4.0
+        t = torch.empty(n, dtype=torch.long, device=device)
+        hq, wq = h.to(dtype).float(), w.to(dtype).float()
+        for start in range(0, n, 1024):  # sample from softmax(z) a chunk of rows at a time
+            p = torch.softmax(hq[start:start + 1024] @ wq.t(), dim=-1)
+            t[start:start + 1024] = torch.multinomial(p, 1, generator=g).squeeze(1)
+    else:
+        raise ValueError(f"unknown data {data!r}; choose from {DATA}")
+    t[::17] = IGNORE_INDEX
+    return h.to(dtype), w.to(dtype), t
