@@ -215,7 +215,8 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     anchor = min([site.loss, *lse_users], key=order.__getitem__)
     inputs = [chain.hidden, chain.weight, chain.bias, site.target, site.shape_ref]
-    if any(isinstance(n, Node) and order[n] >= order[anchor] for n in inputs):
+    late = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
+    if late is None:
         return "the targets are computed after a logsumexp of the logits"
     if _mutated_between(gm, order, chain, anchor):
         return "an in-place update of the hidden states or weight between the matmul and the loss"
@@ -234,11 +235,27 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
             return "a logsumexp of the logits with a shape the rewrite cannot rebuild"
     return {
         "anchor": anchor,
+        "hoist": late,
         "lse_users": lse_users,
         "lse_shapes": lse_shapes,
         "escapes": escapes,
         "escapes_to_output": any(u.op == "output" for u in escapes),
     }
+
+
+def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
+    """The op's inputs that are computed after ``anchor`` and everything they need from after it,
+    in graph order, when all of that can move before ``anchor`` (pure calls); else None."""
+    late, stack = set(), [n for n in nodes if order[n] >= order[anchor]]
+    while stack:
+        n = stack.pop()
+        if n in late:
+            continue
+        if n.op not in ("call_function", "call_method") or n.is_impure() or n is anchor or len(late) > 32:
+            return None
+        late.add(n)
+        stack.extend(m for m in n.all_input_nodes if order[m] >= order[anchor])
+    return sorted(late, key=order.__getitem__)
 
 
 def _mutated_between(gm, order, chain: _logits.Logits, anchor: Node) -> bool:
@@ -255,6 +272,8 @@ def _mutated_between(gm, order, chain: _logits.Logits, anchor: Node) -> bool:
 
 def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set) -> int:
     graph = gm.graph
+    for n in plan["hoist"]:  # e.g. targets computed after a z-loss logsumexp: move them up
+        plan["anchor"].prepend(n)
     e = Emitter(graph, plan["anchor"], site.loss)
     hidden = chain.hidden
     if chain.index is not None:

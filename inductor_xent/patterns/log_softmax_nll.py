@@ -22,15 +22,33 @@ PATTERN = "log_softmax_nll"
 _SIG = inspect.signature(F.nll_loss)
 
 
+def _strip_views(node: Node) -> tuple[Node, tuple]:
+    """Row views between log_softmax and the loss (``logp.view(-1, V)``), which commute with it."""
+    views = []
+    while is_call(node, (torch.reshape, torch.flatten), ("view", "reshape", "flatten", "contiguous")):
+        src = node.args[0]
+        ts, tn = tval(src), tval(node)
+        if ts is None or tn is None or tn.dim() < 2 or not same(ts.shape[-1], tn.shape[-1]) \
+                or ts.dtype != tn.dtype:
+            break
+        end = norm_dim(arg(node, 2, "end_dim", -1), ts.dim())
+        if node.target in ("flatten", torch.flatten) and end == ts.dim() - 1:
+            break
+        views.append(node)
+        node = src
+    return node, tuple(views)
+
+
 def _logits_of_log_probs(x: Node, class_dim: int):
     """(logits vocab-last, consumed nodes) when ``x`` is log_softmax of logits over the class dim."""
     found = vocab_last(x, class_dim)
     if found is not None:
         lp, consumed = found
+        lp, views = _strip_views(lp)
         ls = log_softmax(lp)
         t = tval(lp)
         if ls is not None and ls[1] == t.dim() - 1:
-            return ls[0], (*consumed, lp)
+            return ls[0], (*consumed, *views, lp)
     # log_softmax over dim 1 of transposed logits: F.nll_loss(F.log_softmax(z.transpose(1, 2), 1), y)
     ls = log_softmax(x)
     if ls is not None and ls[1] == norm_dim(class_dim, tval(x).dim()):
