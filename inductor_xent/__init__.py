@@ -6,7 +6,7 @@ backend="inductor_xent")`` (the backend, registered through an entry point).
 
 from .api import linear_cross_entropy
 from .explain import explain
-from .install import install, uninstall
+from .inductor_pass import install, uninstall
 
 __all__ = ["linear_cross_entropy", "explain", "install", "uninstall"]
 __version__ = "0.1.0"

@@ -20,7 +20,7 @@ import logging
 from typing import Any, Optional
 
 from . import compat, patterns
-from .install import CACHE_SALT
+from .inductor_pass import CACHE_SALT
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,186 @@
+"""The backend: entry point, options, the real Inductor CPU path, the cache guard, install()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch._inductor import config as ic
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.utils import fresh_cache
+
+import inductor_xent
+from inductor_xent import backend, compat
+from inductor_xent import inductor_pass as install
+
+from .test_patterns import OP, SPELLINGS, Recorder, assert_parity, leaves, make_inputs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    inductor_xent.uninstall()
+
+
+def test_entry_point_registers_backend():
+    """After pip install the name resolves with no import of ours (the entry point)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert "inductor_xent" in torch._dynamo.list_backends(exclude_tags=())
+    assert lookup_backend("inductor_xent") is backend.inductor_xent
+
+
+def test_options_split_and_validate():
+    ours, theirs = backend.split_options({"xent.inner": "aot_eager", "max_autotune": True})
+    assert ours == {"allow_escaping_logits": False, "inner": "aot_eager", "enable": True}
+    assert theirs == {"max_autotune": True}
+    with pytest.raises(ValueError, match="unknown inductor_xent option 'xent.nope'"):
+        backend.split_options({"xent.nope": 1})
+    with pytest.raises(TypeError, match="'xent.allow_escaping_logits' must be bool"):
+        backend.split_options({"xent.allow_escaping_logits": "yes"})
+    with pytest.raises(ValueError, match="'xent.inner' must be one of"):
+        backend.split_options({"xent.inner": "eager"})
+
+
+def test_mode_and_inductor_options_become_patches():
+    patches = backend.config_patches("max-autotune-no-cudagraphs", {"epilogue-fusion": False})
+    assert patches["max_autotune"] is True and patches["coordinate_descent_tuning"] is True
+    assert patches["epilogue_fusion"] is False
+    assert install.CACHE_SALT in compat.custom_passes(patches["joint_custom_pre_pass"])
+    with pytest.raises(RuntimeError, match="not an Inductor config key"):
+        backend.config_patches(None, {"no_such_knob": 1})
+
+
+class _UserPass(CustomGraphPass):
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return "user-pass"
+
+
+def test_cache_salt_keeps_user_joint_pass():
+    user = _UserPass()
+    with ic.patch(joint_custom_pre_pass=user):
+        passes = compat.custom_passes(backend.config_patches(None, {})["joint_custom_pre_pass"])
+    assert passes == [user, install.CACHE_SALT]
+
+
+def test_inductor_cpu_end_to_end_and_cache_guard(monkeypatch):
+    """Real Inductor: exact loss and grads, our fwd/bwd ops in the compiled code, the AOTAutograd
+    cache hits on a recompile, and misses once our sources' hash changes."""
+    fn, _ = SPELLINGS["hf_causal_lm"]
+    with fresh_cache():
+        assert_parity(fn, make_inputs(), "inductor_xent", what="inductor")
+        assert counters["inductor_xent"]["sites_fused"] == 1
+        assert counters["inductor"]["fxgraph_cache_bypass"] == 0
+        assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(fn, backend="inductor_xent")(**leaves(make_inputs()))
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+        torch._dynamo.reset()
+        counters.clear()
+        monkeypatch.setattr(install, "source_hash", lambda: b"edited backward kernel")
+        torch.compile(fn, backend="inductor_xent")(**leaves(make_inputs()))
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 0
+        assert counters["aot_autograd"]["autograd_cache_miss"] == 1
+
+
+def test_inductor_generated_code_calls_our_ops():
+    from torch._inductor.utils import run_fw_bw_and_get_code
+
+    fn, _ = SPELLINGS["softcap"]
+    ins = make_inputs()
+    x = ins["x"].requires_grad_(True)
+    W = ins["W"].requires_grad_(True)
+    compiled = torch.compile(fn, backend="inductor_xent")
+    _, code = run_fw_bw_and_get_code(lambda: compiled(x, W, ins["Wdv"], ins["b"], ins["y"], ins["yv"], ins["n"]))
+    text = "\n".join(code)
+    assert "inductor_xent.linear_ce_fwd" in text and "inductor_xent.linear_ce_bwd" in text
+
+
+def test_aot_graphs_never_hold_logits():
+    """The partitioned forward saves no [N, V] tensor, and no [N, V] tensor exists in either graph."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    fn, _ = SPELLINGS["linear_bias_float_sum"]
+    rec = AotEagerAndRecordGraphs()
+
+    def both(gm, example_inputs):
+        from inductor_xent import patterns
+
+        patterns.run(gm)
+        return rec(gm, example_inputs)
+
+    ins = make_inputs()
+    L = {k: (v.requires_grad_(True) if v.is_floating_point() else v) for k, v in ins.items()}
+    torch.compile(fn, backend=both)(**L).backward()
+    n_rows = ins["x"].shape[0] * ins["x"].shape[1]
+    vocab = ins["W"].shape[0]
+    for g in rec.fw_graphs + rec.bw_graphs:
+        for node in g.graph.nodes:
+            v = node.meta.get("val")
+            shapes = [t.shape for t in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(t, torch.Tensor)]
+            assert all(tuple(s) != (n_rows, vocab) for s in shapes), f"{node.format_node()}"
+    fw_targets = [n.target for n in rec.fw_graphs[0].graph.nodes]
+    bw_targets = [n.target for n in rec.bw_graphs[0].graph.nodes]
+    assert torch.ops.inductor_xent.linear_ce_fwd.default in fw_targets
+    assert torch.ops.inductor_xent.linear_ce_bwd.default in bw_targets
+
+
+# ---------------------------------------------------------------------------------------------
+# install() / uninstall() for backend="inductor" users
+# ---------------------------------------------------------------------------------------------
+def test_install_fires_and_user_pass_still_runs():
+    fn, _ = SPELLINGS["linear_view_mean"]
+    user = _UserPass()
+    with ic.patch(pre_grad_custom_pass=user, joint_custom_pre_pass=None), fresh_cache():
+        inductor_xent.install()
+        passes = compat.custom_passes(ic.pre_grad_custom_pass)
+        assert passes[0] is user and isinstance(passes[1], install.XentPass)
+        ins = make_inputs()
+        torch.testing.assert_close(torch.compile(fn, backend="inductor")(**ins), fn(**ins))
+        assert user.calls == 1
+        assert counters["inductor_xent"]["sites_fused"] == 1
+        inductor_xent.uninstall()
+        assert ic.pre_grad_custom_pass is user
+        assert ic.joint_custom_pre_pass is None
+
+
+def test_compose_forms():
+    """None, one pass, lists and tuples (2.13+); the 2.11 single-callable form via ComposedPass."""
+    ours, a, b = install.XentPass(), _UserPass(), _UserPass()
+    assert compat.add_pass(None, ours) is ours
+    assert compat.remove_pass(ours, ours) is None
+    assert compat.add_pass([a], ours) == [a, ours]
+    assert compat.add_pass((a, b), ours) == (a, b, ours)
+    assert compat.remove_pass((a, b, ours), ours) == (a, b)
+    assert compat.add_pass(compat.add_pass(a, ours), ours) == [a, ours]  # idempotent
+    assert compat.remove_pass([a, ours], ours) is a
+    with pytest.MonkeyPatch.context() as mp:  # torch 2.11: one callable per hook
+        mp.setattr(compat, "PASS_LISTS", False)
+        composed = compat.add_pass(a, ours)
+        assert isinstance(composed, compat.ComposedPass) and composed.passes == (a, ours)
+        assert composed.uuid() == ("user-pass", ours.uuid())
+        assert compat.ComposedPass([lambda g: None, ours]).uuid() is None  # a plain function: no caching
+        assert compat.remove_pass(composed, ours) is a
+
+
+def test_backend_options_fuse_escaping_logits():
+    def fn(x, W, Wdv, b, y, yv, n):
+        logits = F.linear(x, W)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1)), logits
+
+    rec = Recorder(**{"xent.allow_escaping_logits": True})
+    torch.compile(fn, backend=rec)(**make_inputs())
+    assert rec.after[0].count(OP) == 1
