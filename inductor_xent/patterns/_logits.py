@@ -41,6 +41,12 @@ TANH = (torch.tanh,)
 TRANSPOSE_METHODS = ("t", "transpose", "permute")
 
 
+GRAPH_INPUT = (
+    "the logits are an input of this graph: a graph break separates the lm_head matmul from the loss "
+    "(torch._dynamo.explain shows where); remove the break to fuse"
+)
+
+
 @dataclass
 class Logits:
     """The lm_head logits feeding a loss, and what the op needs to recompute them."""
@@ -184,6 +190,8 @@ def trace(logits: Node) -> Union[Logits, str, None]:
             break
         step = _step(node) if isinstance(node, Node) else None
         if step is None:
+            if isinstance(node, Node) and node.op == "placeholder" and steps and steps[-1][0] == "cast":
+                return GRAPH_INPUT
             return _unsupported(node)
         steps.append((*step, node))
         node = step[1]
