@@ -1,0 +1,100 @@
+"""inductor_xent.explain: sites found, fused and declined with reasons, sizes, a readable table."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import inductor_xent
+
+from .test_patterns import DECLINES, SPELLINGS, V, make_inputs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_fused_site_fields():
+    fn, pattern = SPELLINGS["linear_bias_float_sum"]
+    ins = make_inputs()
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == 1 and report.declined_count == 0 and report.graph_count == 1
+    (site,) = report.sites
+    assert site.pattern == pattern and site.fused
+    assert site.reason.startswith("fused: reduction=sum") and "bias" in site.reason
+    n = ins["x"].shape[0] * ins["x"].shape[1]
+    assert (site.rows, site.vocab, site.hidden_dim, site.dtype) == (str(n), V, ins["x"].shape[-1], "float32")
+    assert site.logits_bytes == n * V * 4
+    # the fp32 matmul output and its (no-op) .float() are gone: at least one [N, V] fp32 buffer
+    assert site.bytes_avoided >= n * V * 4
+    assert report.bytes_avoided == site.bytes_avoided
+
+
+def test_explain_unwraps_a_compiled_module():
+    """explain(torch.compile(model)) explains the model itself, with our pass."""
+    ins = make_inputs()
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(ins["x"].shape[-1], V, bias=False)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.lm_head(x).float().view(-1, V), y.view(-1))
+
+    compiled = torch.compile(Head(), backend="eager")
+    report = inductor_xent.explain(compiled, ins["x"], ins["y"])
+    assert report.fused_count == 1 and report.sites[0].pattern == "lm_head_cross_entropy"
+
+
+def test_declined_site_reason_in_table():
+    fn, words = DECLINES["class_weights"]
+    report = inductor_xent.explain(fn, **make_inputs())
+    assert report.fused_count == 0 and report.declined_count == 1
+    text = str(report)
+    assert "lm_head_cross_entropy" in text and "no" in text and "class weights" in text
+
+
+def test_table_layout():
+    def fn(x, W, Wdv, b, y, yv, n):
+        a = F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1))
+        c = F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), weight=torch.ones(V))
+        return a + c
+    report = inductor_xent.explain(fn, **make_inputs())
+    lines = str(report).splitlines()
+    assert lines[0].startswith("inductor_xent.explain: 2 site(s), 1 fused, 1 declined; 1 graph(s), 0 graph break(s)")
+    assert lines[1].split()[:3] == ["pattern", "fused", "rows"]
+    assert [line.split()[1] for line in lines[2:4]] == ["yes", "no"]
+
+
+def test_no_site():
+    report = inductor_xent.explain(lambda x: (x * 2).sum(), torch.randn(3))
+    assert report.sites == [] and "no lm_head matmul -> cross-entropy site found" in str(report)
+
+
+def test_escaping_logits_hint():
+    def fn(x, W, Wdv, b, y, yv, n):
+        logits = F.linear(x, W)
+        return {"loss": F.cross_entropy(logits.view(-1, V), y.view(-1)), "logits": logits}
+    report = inductor_xent.explain(fn, **make_inputs())
+    assert report.logits_escape
+    assert "compile a function that returns only the loss" in str(report)
+
+
+def test_dump_graphs_logs_before_and_after(monkeypatch, caplog):
+    monkeypatch.setenv("INDUCTOR_XENT_DUMP_GRAPHS", "1")
+    fn, _ = SPELLINGS["linear_view_mean"]
+    with caplog.at_level(logging.INFO, logger="inductor_xent.patterns"):
+        inductor_xent.explain(fn, **make_inputs())
+    text = caplog.text
+    assert "graph before the pass" in text and "graph after the pass" in text
+    assert text.index("torch.nn.functional.cross_entropy") < text.index("graph after the pass")
+    assert "torch.ops.inductor_xent.linear_ce_fwd" in text.split("graph after the pass")[1]
