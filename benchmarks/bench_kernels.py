@@ -180,12 +180,31 @@ def time_config(cfg, h, w, t, quick):
     }
 
 
+def profile_kernels(h, w, t):
+    """GPU time per kernel of one forward and one backward (default configs), from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import launch
+
+    o, n = LossOptions(), h.shape[0]
+    gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
+    _, lse = launch.forward(h, w, None, t, o)
+    launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False))
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        launch.forward(h, w, None, t, o)
+        launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False))
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
+
+
 def sweep(shapes, quick, out):
     """Time each candidate config of the forward and of the backward (launch.* with cfg=)."""
     from inductor_xent.templates import configs
 
-    names = ["m128n256k64w8s3", "m128n256k64w8s4", "m128n256k64w8s3f", "m128n128k64w8s3",
-             "m128n128k64w4s4", "m256n128k64w8s3"]
+    names = ["m128n256k64w8s3", "m128n256k64w8s3t1", "m128n256k64w8s3t4", "m256n128k64w8s3",
+             "m256n128k64w8s3t1", "m128n128k64w8s3"]
     rows = []
     for shape_name in shapes:
         shape = SHAPES[shape_name]
@@ -200,6 +219,7 @@ def sweep(shapes, quick, out):
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             print(json.dumps(row), flush=True)
             rows.append(row)
+        profile_kernels(h, w, t)
     stats = kernel_stats()
     for k, v in stats.items():
         print(k, v)
@@ -303,6 +323,7 @@ def main(argv=None):
         sweep(shapes, args.quick, out)
         return 0
     info = env_info()
+    print(json.dumps(info), flush=True)
     rows = []
     for shape_name in shapes:
         shape = SHAPES[shape_name]

@@ -141,9 +141,9 @@ def test_cuda_graph_capture():
     w.requires_grad_()
     b.requires_grad_()
 
-    def step():
+    def step():  # detached outputs: no autograd node (made on another stream) outlives a step
         loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1)
-        return (loss,) + torch.autograd.grad(loss, (h, w, b))
+        return (loss.detach(),) + torch.autograd.grad(loss, (h, w, b))
 
     expected = step()
     stream = torch.cuda.Stream()

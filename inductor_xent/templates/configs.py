@@ -27,6 +27,7 @@ class KernelConfig(NamedTuple):
     num_stages: int  # software-pipelining depth of the D loop
     ctas_per_sm: int = 1  # expected residency, used only to size the vocabulary split
     flatten: bool = False  # tl.range(flatten=True): one pipelined loop over (vocab tile, k)
+    split_tiles: int = 0  # forward: vocabulary tiles per program; 0 = vocab_split's model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -38,9 +39,13 @@ CONFIGS: dict[str, KernelConfig] = {
     "m128n256k64w8s3": KernelConfig(128, 256, 64, 8, 8, 3),
     "m128n256k64w8s4": KernelConfig(128, 256, 64, 8, 8, 4),
     "m128n256k64w8s3f": KernelConfig(128, 256, 64, 8, 8, 3, flatten=True),
-    # smaller accumulator: 2 CTAs per SM, so one program's softmax epilogue overlaps the other's
-    # matmul (96 KiB of shared memory each at 3 stages)
-    "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3, ctas_per_sm=2),
+    # one vocabulary tile per program (a plain GEMM schedule; partials N x V/256 x 12 bytes) or a few
+    "m128n256k64w8s3t1": KernelConfig(128, 256, 64, 8, 8, 3, split_tiles=1),
+    "m128n256k64w8s3t4": KernelConfig(128, 256, 64, 8, 8, 3, split_tiles=4),
+    "m256n128k64w8s3t1": KernelConfig(256, 128, 64, 8, 8, 3, split_tiles=1),
+    # smaller accumulator: no spills (ptxas: 186 registers, 0 stack, offline sm_90 compile), but
+    # 186 x 256 threads still allows only one CTA per SM
+    "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3),
     "m128n128k64w4s4": KernelConfig(128, 128, 64, 8, 4, 4),
     "m256n128k64w8s3": KernelConfig(256, 128, 64, 8, 8, 3),
     # fp32 operands: 4-byte elements halve the tile per stage
@@ -55,7 +60,7 @@ CONFIGS: dict[str, KernelConfig] = {
 FORWARD_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
 DLOGITS_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
 # the fp32 accumulate-GEMM used for grad_hidden where cuBLAS cannot write fp32 from bf16 inputs
-ACC_MM_TABLE: dict[int, str] = {2: "m128n128k64w4s4", 4: "m64n128k32w4s3"}
+ACC_MM_TABLE: dict[int, str] = {2: "m128n128k64w8s3", 4: "m64n128k32w4s3"}
 
 # Programs per SM slot that the forward aims for when it splits the vocabulary: enough waves that
 # the last one's tail is a small fraction, few enough that the partials stay tiny.
