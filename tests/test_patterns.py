@@ -174,6 +174,11 @@ SPELLINGS.update({
 })
 
 
+if hasattr(F, "linear_cross_entropy"):  # torch 2.13+: its reference path inlines to linear + CE
+    SPELLINGS["torch_linear_cross_entropy"] = (lambda x, W, Wdv, b, y, yv, n: F.linear_cross_entropy(
+        x.view(-1, D), W, y.view(-1), linear_bias=b, ignore_index=-100), "lm_head_cross_entropy")
+
+
 class Recorder:
     """A backend: records the Dynamo graph's targets before and after our pass, then compiles."""
 
