@@ -103,6 +103,9 @@ SPELLINGS = {
     # weight stored [D, V]: torch.matmul(x, Wdv)
     "weight_dv": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         torch.matmul(x, Wdv).flatten(0, 1), y.flatten()), "lm_head_cross_entropy"),
+    # einsum, weight [V, D]
+    "einsum": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        torch.einsum("btd,vd->btv", x, W).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
     # Gemma 2 final_logit_softcapping: div -> tanh -> mul, then .float()
     "softcap": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         (torch.tanh(F.linear(x, W) / 2.0) * 2.0).float().view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
@@ -322,9 +325,20 @@ DECLINES = {
         F.linear(x, W).double().view(-1, V), y.view(-1)), "float64 loss"),
     "unsupported_op_between": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         torch.relu(F.linear(x, W)).view(-1, V), y.view(-1)), "unsupported op"),
+    "no_grad_lm_head": (lambda x, W, Wdv, b, y, yv, n: _no_grad_head(x, W, y), "grad mode changes"),
+    "mixed_dtype_bias": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (x.bfloat16() @ W.bfloat16().t() + b).view(-1, V), y.view(-1)), "mixed dtypes"),
     "legacy_reduce": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         F.linear(x, W).view(-1, V), y.view(-1), size_average=True), "legacy"),
 }
+
+
+def _no_grad_head(x, W, y):
+    """The head runs under no_grad: moving its
+    work into the loss's grad-enabled region would add gradients eager never computes."""
+    with torch.no_grad():
+        logits = F.linear(x, W)
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + x.sum() * 0
 
 
 def _other_user(x, W, y):

@@ -28,7 +28,7 @@ from torch.fx import GraphModule, Node
 from .. import config, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
 from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
 from ._fx import Emitter, hint, same, tval
-from ._site import Decline, LossSite
+from ._site import NO_IGNORE, Decline, LossSite
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ def _describe(site: Site, chain: _logits.Logits) -> None:
 
 def _fused_reason(site: LossSite, chain: _logits.Logits, plan: dict) -> str:
     parts = [f"reduction={site.reduction}"]
-    if site.ignore_index != -(2**31):
+    if site.ignore_index != NO_IGNORE:
         parts.append(f"ignore_index={site.ignore_index}")
     if site.label_smoothing:
         parts.append(f"label_smoothing={site.label_smoothing}")
@@ -218,8 +218,9 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     late = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
     if late is None:
         return "the targets are computed after a logsumexp of the logits"
-    if _mutated_between(gm, order, chain, anchor):
-        return "an in-place update of the hidden states or weight between the matmul and the loss"
+    unsafe = _unsafe_between(gm, order, chain, anchor)
+    if unsafe:
+        return unsafe
     # the shape of each replaced logsumexp: the leading dims of its input
     h_lead = tval(chain.hidden).shape[:-1]
     lse_shapes = {}
@@ -258,16 +259,26 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
     return sorted(late, key=order.__getitem__)
 
 
-def _mutated_between(gm, order, chain: _logits.Logits, anchor: Node) -> bool:
+_GRAD_MODE = {torch._C._set_grad_enabled}
+
+
+def _unsafe_between(gm, order, chain: _logits.Logits, anchor: Node) -> Optional[str]:
+    """A reason when moving the matmul's work down to ``anchor`` could change what it computes:
+    an in-place update of its inputs, or a grad-mode change (``with torch.no_grad():`` around the
+    lm_head only) in between."""
     watched = {chain.hidden, chain.weight, chain.bias} - {None}
     lo, hi = order[chain.matmul], order[anchor]
     for n in gm.graph.nodes:
-        if lo < order[n] < hi and n.args and n.args[0] in watched:
+        if not lo < order[n] < hi:
+            continue
+        if n.op == "call_function" and n.target in _GRAD_MODE:
+            return "the grad mode changes between the lm_head matmul and the loss"
+        if n.args and isinstance(n.args[0], Node) and n.args[0] in watched:
             name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
             if isinstance(name, str) and ((name.endswith("_") and not name.endswith("__")) or name in (
                     "setitem", "iadd", "imul", "isub", "itruediv")):
-                return True
-    return False
+                return "an in-place update of the hidden states or weight between the matmul and the loss"
+    return None
 
 
 def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set) -> int:

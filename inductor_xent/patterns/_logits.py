@@ -4,9 +4,9 @@ Every idiom ends at "logits with the vocabulary last". This module recognises wh
 the matmul and that tensor, and folds it into the op's arguments:
 
 * the matmul: ``torch._C._nn.linear`` (``nn.Linear`` / ``F.linear``, bias or not), ``@`` /
-  ``torch.matmul`` / ``torch.mm`` / ``.matmul`` with the weight as ``W.t()`` / ``W.T`` /
-  ``W.transpose(0, 1)`` of a ``[V, D]`` parameter, or a ``[D, V]`` weight used as is (the op then
-  gets the strided view ``W.t()``);
+  ``torch.matmul`` / ``torch.mm`` / ``.matmul`` / ``torch.einsum("...d,vd->...v")`` with the
+  weight as ``W.t()`` / ``W.T`` / ``W.transpose(0, 1)`` of a ``[V, D]`` parameter, or a
+  ``[D, V]`` weight used as is (the op then gets the strided view ``W.t()``);
 * dtype casts (``.float()``, ``.to(dtype)``, ``.type_as``), ``view`` / ``reshape`` / ``flatten`` /
   ``contiguous`` that keep the vocabulary as the last dimension;
 * multiplication or division by a Python number (-> ``logit_scale``), ``tanh`` between two such
@@ -149,8 +149,30 @@ def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
     return None
 
 
+def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
+    """(hidden, weight, weight_is_vd) for ``torch.einsum("...d,vd->...v", h, W)`` (or ``"...d,dv"``)."""
+    if not is_call(node, (torch.einsum,)) or len(node.args) != 3 or not isinstance(node.args[0], str):
+        return None
+    eq = node.args[0].replace(" ", "")
+    if eq.count("->") != 1:
+        return None
+    lhs, out = eq.split("->")
+    ops = lhs.split(",")
+    if len(ops) != 2 or len(ops[1]) != 2 or not ops[0]:
+        return None
+    a, w = ops
+    c = a[-1]
+    letters = a.replace("...", "")
+    if c not in w or len(set(letters)) != len(letters):
+        return None
+    v = w.replace(c, "", 1)
+    if len(v) != 1 or v in a or out != a[:-1] + v:
+        return None
+    return node.args[1], node.args[2], w == v + c
+
+
 def _is_matmul(node: Any) -> bool:
-    return is_call(node, LINEAR + MATMUL, MATMUL_METHODS)
+    return is_call(node, LINEAR + MATMUL, MATMUL_METHODS) or _einsum_weight(node) is not None
 
 
 def _root(node: Node) -> Union[Logits, str]:
@@ -162,6 +184,10 @@ def _root(node: Node) -> Union[Logits, str]:
         if tw is None or tw.dim() != 2:
             return "the linear's weight is not a 2-D tensor"
         return Logits(node, x, w, True, b if isinstance(b, Node) else None)
+    einsum = _einsum_weight(node)
+    if einsum is not None:
+        x, w, is_vd = einsum
+        return Logits(node, x, w, is_vd)
     x, m = node.args[:2]
     tm = tval(m)
     if tm is None or tm.dim() != 2:
