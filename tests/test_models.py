@@ -160,6 +160,22 @@ def test_whole_model_compile_logits_escape():
     assert good.fused_count == 1 and not good.logits_escape
 
 
+def test_whole_model_allow_escaping_logits():
+    """torch.compile(model, options={"xent.allow_escaping_logits": True}): the loss is fused, the
+    returned logits still computed; loss, logits and gradients equal eager's."""
+    model, ids, labels = build("qwen2")
+    out = []
+    for f in (model, torch.compile(model, backend=xent_backend,
+                                   options={"xent.inner": "aot_eager", "xent.allow_escaping_logits": True})):
+        model.zero_grad(set_to_none=True)
+        o = f(input_ids=ids, labels=labels)
+        (o.loss + 1e-3 * o.logits.float().square().mean()).backward()
+        out.append([o.loss.detach(), o.logits.detach(), *(p.grad for p in model.parameters())])
+    for e, c in zip(*out):
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+    assert counters["inductor_xent"]["sites_fused"] == 1
+
+
 def test_gpt2_default_loss_type_graph_break():
     """Without loss_type, transformers graph-breaks between lm_head and loss: explain says so."""
     model, ids, labels = build("gpt2")

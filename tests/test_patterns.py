@@ -328,6 +328,11 @@ DECLINES = {
     "no_grad_lm_head": (lambda x, W, Wdv, b, y, yv, n: _no_grad_head(x, W, y), "grad mode changes"),
     "mixed_dtype_bias": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         (x.bfloat16() @ W.bfloat16().t() + b).view(-1, V), y.view(-1)), "mixed dtypes"),
+    "nll_class_weights": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
+        F.log_softmax(F.linear(x, W), -1).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V)),
+        "class weights"),
+    "one_hot_keepdim": (lambda x, W, Wdv, b, y, yv, n: -(
+        F.one_hot(yv, V) * F.log_softmax(F.linear(x, W), -1)).sum(-1, keepdim=True).mean(), "without keepdim"),
     "legacy_reduce": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         F.linear(x, W).view(-1, V), y.view(-1), size_average=True), "legacy"),
 }

@@ -101,9 +101,8 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False) -> list[Site]:
 # ---------------------------------------------------------------------------------------------
 def _handle(gm, found, allow_escaping: bool, autocast: Optional[str], erased: set) -> Optional[Site]:
     if isinstance(found, Decline):
-        chain = None
-        if isinstance(found.node, Node) and found.node.args:
-            chain = _logits.trace(found.node.args[0]) if isinstance(found.node.args[0], Node) else None
+        logits = found.logits if found.logits is not None else (found.node.args or (None,))[0]
+        chain = _logits.trace(logits) if isinstance(logits, Node) else None
         if chain is None:  # not over lm_head logits at all: not a candidate
             log.debug("inductor_xent: %s at %s is not over lm_head logits (%s)", found.pattern,
                       found.node.name, found.reason)
@@ -337,7 +336,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
     while changed:
         changed = False
         for n in candidates:
-            if n in erased or n.users or n is chain.weight:
+            if n in erased or n.users or n is chain.weight or n.op not in ("call_function", "call_method"):
                 continue
             t = tval(n)
             is_view = n.op == "call_method" and n.target in _VIEWS or n.target is operator.getitem

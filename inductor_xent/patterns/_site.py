@@ -47,6 +47,7 @@ class Decline:
     pattern: str
     node: Node
     reason: str
+    logits: Optional[Node] = None  # the logits the loss reads, when known (else node.args[0])
 
 
 def vocab_last(node: Any, class_dim: int) -> Optional[tuple[Node, tuple]]:

@@ -77,17 +77,17 @@ def _match_nll(node: Node):
     if found is None:
         return None  # nll_loss of something else: not an lm_head site
     if a["weight"] is not None:
-        return Decline(PATTERN, node, "class weights (weight=...) are not supported")
+        return Decline(PATTERN, node, logits=found[0], reason="class weights (weight=...) are not supported")
     if a["size_average"] is not None or a["reduce"] is not None:
-        return Decline(PATTERN, node, "legacy size_average/reduce arguments")
+        return Decline(PATTERN, node, logits=found[0], reason="legacy size_average/reduce arguments")
     reason = integer_target(a["target"])
     if reason:
-        return Decline(PATTERN, node, reason)
+        return Decline(PATTERN, node, logits=found[0], reason=reason)
     ii, reduction = a["ignore_index"], a["reduction"]
     if not isinstance(ii, int) or isinstance(ii, bool):
-        return Decline(PATTERN, node, f"ignore_index {ii!r} is not a Python int")
+        return Decline(PATTERN, node, logits=found[0], reason=f"ignore_index {ii!r} is not a Python int")
     if reduction not in ("mean", "sum", "none"):
-        return Decline(PATTERN, node, f"reduction {reduction!r}")
+        return Decline(PATTERN, node, logits=found[0], reason=f"reduction {reduction!r}")
     logits, consumed = found
     return LossSite(PATTERN, node, logits, a["target"], consumed, (), ii, reduction, 0.0, shape_ref=a["target"])
 
@@ -101,10 +101,10 @@ def _match_gather(node: Node):
     if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1:
         return None
     if ti.dim() != tl.dim() or not same(ti.shape[-1], 1):
-        return Decline(PATTERN, node, "gather of more than one class per row")
+        return Decline(PATTERN, node, logits=ls[0], reason="gather of more than one class per row")
     if not all(same(a, b) for a, b in zip(ti.shape[:-1], tl.shape[:-1])):
-        return Decline(PATTERN, node, "gather index does not cover the logits' rows one to one")
+        return Decline(PATTERN, node, logits=ls[0], reason="gather index does not cover the logits' rows one to one")
     reason = integer_target(index)
     if reason:
-        return Decline(PATTERN, node, reason)
+        return Decline(PATTERN, node, logits=ls[0], reason=reason)
     return LossSite(PATTERN, node, ls[0], index, (lp,), shape_ref=index, negate=True)

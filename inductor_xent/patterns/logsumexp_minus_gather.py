@@ -56,12 +56,12 @@ def match(node: Node):
     gather, z, index, squeezed = found_g
     ti, tz, tout = tval(index), tval(z), tval(node)
     if not same(ti.shape[-1], 1) or not all(same(a, b) for a, b in zip(ti.shape[:-1], tz.shape[:-1])):
-        return Decline(PATTERN, node, "gather index does not pick one class per row")
+        return Decline(PATTERN, node, logits=z, reason="gather index does not pick one class per row")
     if tval(lse_node).dim() != tout.dim() or tval(g).dim() != tout.dim():
-        return Decline(PATTERN, node, "logsumexp and gathered logit broadcast against each other")
+        return Decline(PATTERN, node, logits=z, reason="logsumexp and gathered logit broadcast against each other")
     reason = integer_target(index)
     if reason:
-        return Decline(PATTERN, node, reason)
+        return Decline(PATTERN, node, logits=z, reason=reason)
     consumed = (gather,) if squeezed is None else (gather, squeezed)
     return LossSite(
         PATTERN, node, z, index, consumed, shape_ref=index, drop_last=tout.dim() == ti.dim() - 1,

@@ -48,10 +48,11 @@ def match(node: Node):
     y, num_classes, oh_nodes = found
     tl = tval(lp)
     if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1 or keep:
-        return Decline(PATTERN, node, "sum is not over the vocabulary dimension without keepdim")
+        return Decline(PATTERN, node, logits=ls[0], reason="sum is not over the vocabulary dimension without keepdim")
     if not isinstance(num_classes, int) or not same(num_classes, tl.shape[-1]):
-        return Decline(PATTERN, node, f"one_hot num_classes={num_classes!r} is not the vocabulary size")
+        reason = f"one_hot num_classes={num_classes!r} is not the vocabulary size"
+        return Decline(PATTERN, node, logits=ls[0], reason=reason)
     reason = integer_target(y)
     if reason:
-        return Decline(PATTERN, node, reason)
+        return Decline(PATTERN, node, logits=ls[0], reason=reason)
     return LossSite(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, negate=True)
