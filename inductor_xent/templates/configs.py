@@ -62,9 +62,13 @@ DLOGITS_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
 # the fp32 accumulate-GEMM used for grad_hidden where cuBLAS cannot write fp32 from bf16 inputs
 ACC_MM_TABLE: dict[int, str] = {2: "m128n128k64w8s3", 4: "m64n128k32w4s3"}
 
-# Programs per SM slot that the forward aims for when it splits the vocabulary: enough waves that
-# the last one's tail is a small fraction, few enough that the partials stay tiny.
-FORWARD_MAX_WAVES = 16
+# The forward's vocabulary split (vocab_split): at most this many waves of programs, and at most
+# FORWARD_PARTIAL_BYTES of (row, split) partials. On the H200 (bf16, llama3-8b shape, one run each)
+# 4 tiles per program took 14.07 ms, 1 tile 14.23 ms, and 251 tiles (2 splits, one wave of 128
+# programs on 132 SMs) 14.53 ms: the per-program ramp is small against the wave quantisation.
+FORWARD_MAX_WAVES = 64
+FORWARD_PARTIAL_BYTES = 64 * 2**20
+FORWARD_RAMP_TILES = 0.1  # pipeline fill + partial write of one program, in units of one tile
 
 # Extra memory the backward may hold at once: the fp32 grad_hidden accumulator (N*D*4 bytes) plus
 # one chunk of dlogits (N*Vc in the input dtype). 192 MiB keeps the llama3-8b shape (N=8192,
@@ -92,20 +96,23 @@ def acc_mm_config(dtype: torch.dtype) -> KernelConfig:
     return _pick(ACC_MM_TABLE, dtype)
 
 
-def vocab_split(num_row_blocks: int, num_tiles: int, num_slots: int) -> tuple[int, int]:
+def vocab_split(num_row_blocks: int, num_tiles: int, num_slots: int, num_rows: int = 0) -> tuple[int, int]:
     """(splits, tiles per split) for the forward grid ``num_row_blocks x splits``.
 
-    Programs all do ``tiles per split`` tiles (the last split fewer), so the time is about
-    ``ceil(programs / slots) * tiles_per_split`` tiles plus a ramp per program; pick the split
-    with the least modelled time, among at most FORWARD_MAX_WAVES waves."""
+    Every program does ``tiles per split`` tiles (the last split fewer), so the time is about
+    ``ceil(programs / slots) * (tiles_per_split + FORWARD_RAMP_TILES)``; pick the split with the least
+    modelled time among those within FORWARD_MAX_WAVES waves and FORWARD_PARTIAL_BYTES of partials
+    (16 bytes per row and split)."""
+    max_splits = min(num_tiles, (FORWARD_MAX_WAVES * num_slots) // max(1, num_row_blocks))
+    if num_rows:
+        max_splits = min(max_splits, FORWARD_PARTIAL_BYTES // (16 * num_rows))
     best = None
-    max_splits = max(1, min(num_tiles, (FORWARD_MAX_WAVES * num_slots) // max(1, num_row_blocks)))
-    for splits in range(1, max_splits + 1):
+    for splits in range(1, max(1, max_splits) + 1):
         per_split = -(-num_tiles // splits)
         real = -(-num_tiles // per_split)
         waves = -(-(num_row_blocks * real) // num_slots)
-        cost = waves * (per_split + 0.5)  # 0.5 tile: pipeline ramp + partial write per program
-        if best is None or cost < best[0]:
+        cost = waves * (per_split + FORWARD_RAMP_TILES)
+        if best is None or cost < best[0] - 1e-9:
             best = (cost, real, per_split)
     return best[1], best[2]
 

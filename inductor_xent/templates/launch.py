@@ -86,7 +86,9 @@ def forward(
         tiles_per_split = min(cfg.split_tiles, num_tiles)
         splits = triton.cdiv(num_tiles, tiles_per_split)
     else:
-        splits, tiles_per_split = configs.vocab_split(num_m, num_tiles, _num_sms(hidden.device) * cfg.ctas_per_sm)
+        splits, tiles_per_split = configs.vocab_split(
+            num_m, num_tiles, _num_sms(hidden.device) * cfg.ctas_per_sm, num_rows=n
+        )
     need_sum_z = opts.label_smoothing != 0.0
     part = torch.empty((3 + need_sum_z, splits, n), dtype=torch.float32, device=hidden.device)
     logit_scale, softcap = _options(opts)
