@@ -535,3 +535,21 @@ def test_pass_is_idempotent_and_lints():
     gm = rec.graphs[0]
     assert patterns.run(gm) == []
     gm.graph.lint()
+
+
+def test_internal_error_declines_instead_of_failing(monkeypatch):
+    """A bug in an idiom's analysis must not break the user's compile: the site is left alone."""
+    from inductor_xent.patterns import lm_head_cross_entropy
+
+    def broken(node):
+        if node.target is F.cross_entropy:
+            raise RuntimeError("boom")
+        return None
+
+    monkeypatch.setattr(lm_head_cross_entropy, "match", broken)
+    fn, _ = SPELLINGS["linear_view_mean"]
+    rec = Recorder()
+    ins = make_inputs()
+    torch.testing.assert_close(torch.compile(fn, backend=rec)(**ins), fn(**ins))
+    assert rec.after[0] == rec.before[0]
+    assert counters["inductor_xent"]["sites_declined"] == 1

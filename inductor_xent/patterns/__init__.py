@@ -74,15 +74,19 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False) -> list[Site]:
     for node in list(graph.nodes):
         if node in erased or node.op not in ("call_function", "call_method"):
             continue
-        for idiom in IDIOMS:
-            found = idiom.match(node)
-            if found is not None:
-                break
-        else:
+        try:  # analysis is pure: a bug here declines the site instead of failing the user's compile
+            analysed = _analyse(gm, node, allow_escaping_logits, autocast)
+        except Exception as e:  # noqa: BLE001
+            log.warning("inductor_xent: internal error analysing %s; site left alone", node.name, exc_info=True)
+            analysed = (Site("unknown", False, f"internal error in the pass (please report): {e!r}", node.name),
+                        None, None, None)
+        if analysed is None:
             continue
-        site = _handle(gm, found, allow_escaping_logits, autocast, erased)
-        if site is None:
-            continue
+        site, found, chain, plan = analysed
+        if plan is not None:  # rewrite (not guarded: a failure half way must not be swallowed)
+            site.bytes_avoided = _rewrite(gm, found, chain, plan, erased)
+            site.fused = True
+            site.reason = _fused_reason(found, chain, plan)
         sites.append(site)
         kind = "fused" if site.fused else "declined"
         counters["inductor_xent"][f"sites_{kind}"] += 1
@@ -99,7 +103,15 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False) -> list[Site]:
 # ---------------------------------------------------------------------------------------------
 # one site
 # ---------------------------------------------------------------------------------------------
-def _handle(gm, found, allow_escaping: bool, autocast: Optional[str], erased: set) -> Optional[Site]:
+def _analyse(gm, node: Node, allow_escaping: bool, autocast: Optional[str]):
+    """(Site, LossSite, Logits, plan) for a site to rewrite, (Site, None, None, None) for one to
+    decline, None when ``node`` is not a candidate."""
+    for idiom in IDIOMS:
+        found = idiom.match(node)
+        if found is not None:
+            break
+    else:
+        return None
     if isinstance(found, Decline):
         logits = found.logits if found.logits is not None else (found.node.args or (None,))[0]
         chain = _logits.trace(logits) if isinstance(logits, Node) else None
@@ -110,25 +122,22 @@ def _handle(gm, found, allow_escaping: bool, autocast: Optional[str], erased: se
         site = Site(found.pattern, False, found.reason, found.node.name)
         if not isinstance(chain, str):
             _describe(site, chain)
-        return site
+        return site, None, None, None
     chain = _logits.trace(found.logits)
     if chain is None:
         return None
     site = Site(found.pattern, False, "", found.loss.name)
     if isinstance(chain, str):
         site.reason = chain
-        return site
+        return site, None, None, None
     _describe(site, chain)
     plan = _plan(gm, found, chain, allow_escaping, autocast)
     if isinstance(plan, str):
         site.reason = plan
         site.logits_escape = plan == ESCAPE_REASON
-        return site
+        return site, None, None, None
     site.logits_escape = plan["escapes_to_output"]
-    site.bytes_avoided = _rewrite(gm, found, chain, plan, erased)
-    site.fused = True
-    site.reason = _fused_reason(found, chain, plan)
-    return site
+    return site, found, chain, plan
 
 
 def _describe(site: Site, chain: _logits.Logits) -> None:
@@ -340,6 +349,9 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
                 continue
             t = tval(n)
             is_view = n.op == "call_method" and n.target in _VIEWS or n.target is operator.getitem
+            if n.op == "call_method" and n.target in _logits.CAST_METHODS:
+                src = tval(n.args[0])
+                is_view = src is not None and t is not None and src.dtype == t.dtype
             if t is not None and not is_view and n_rows_v and _numel_hint(t) == n_rows_v:
                 avoided += _numel_hint(t) * t.element_size()
             graph.erase_node(n)
