@@ -160,6 +160,23 @@ def test_whole_model_compile_logits_escape():
     assert good.fused_count == 1 and not good.logits_escape
 
 
+def test_zoo_num_items_in_batch():
+    """Gradient accumulation as the HF Trainer does it: reduction="sum" then / num_items_in_batch."""
+    model, ids, labels = build("llama")
+    n = (labels[..., 1:] != -100).sum() + 5  # the count over all micro-batches
+
+    def fn(ids, labels):
+        return model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
+
+    le, ge = _loss_and_grads(model, fn, ids, labels)
+    backend = Counting(xent_backend, options={"xent.inner": "aot_eager"})
+    lc, gc = _loss_and_grads(model, torch.compile(fn, backend=backend), ids, labels)
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    for k in ge:
+        torch.testing.assert_close(gc[k], ge[k], rtol=1e-4, atol=1e-6)
+    assert counters["inductor_xent"]["sites_fused"] == 1 and backend.graphs == 1
+
+
 def test_whole_model_allow_escaping_logits():
     """torch.compile(model, options={"xent.allow_escaping_logits": True}): the loss is fused, the
     returned logits still computed; loss, logits and gradients equal eager's."""
