@@ -166,30 +166,42 @@ def train(backend: str, base_model, loss_of, shape, device, steps) -> Run:
 # ---------------------------------------------------------------------------------------------
 def show_pass(base_model, loss_of, shape, device):
     import inductor_xent
+    from inductor_xent import patterns
 
     batch = next(batches(shape, device, 1))
     model = copy.deepcopy(base_model)
-    torch._dynamo.reset()
-    report = inductor_xent.explain(lambda b: loss_of(model, b), batch)
+    fn = lambda b: loss_of(model, b)  # noqa: E731
+    report = inductor_xent.explain(fn, batch)
     print(report)
-    before, after = getattr(report, "graph_before", None), getattr(report, "graph_after", None)
-    if before and after:
-        print("\nFX graph around the site, before the pass (abridged):")
-        print(_abridge(before))
-        print("\nafter the pass:")
-        print(_abridge(after))
+
+    graphs = {}
+
+    def capture(gm, example_inputs):  # the Dynamo graph, before and after our pass
+        if not graphs:
+            graphs["before"] = gm.code
+            patterns.run(gm)
+            graphs["after"] = gm.code
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture)(batch)
+    torch._dynamo.reset()
+    print("\nFX graph around the site, before the pass (abridged):")
+    print(_abridge(graphs["before"]))
+    print("\nafter the pass:")
+    print(_abridge(graphs["after"]))
     return report
 
 
-_INTERESTING = re.compile(r"linear|cross_entropy|float\(|view\(|pad\(|inductor_xent|getitem|sum\(|truediv|ne\(")
-
-
-def _abridge(code: str, keep: int = 14) -> str:
-    lines = [ln.rstrip() for ln in code.splitlines() if _INTERESTING.search(ln)]
-    lines = [ln for ln in lines if not ln.lstrip().startswith("#")]
-    if len(lines) > keep:
-        lines = lines[:3] + ["    ..."] + lines[-(keep - 4):]
-    return "\n".join(lines)
+def _abridge(code: str, keep: int = 12) -> str:
+    """The graph's tail from the lm_head matmul (before) or our op's inputs (after) to the return,
+    without FX's ``;  x = None`` bookkeeping."""
+    lines = [re.sub(r";\s+\w+( = \w+)* = None$", "", ln.rstrip()) for ln in code.splitlines()]
+    lines = [ln for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    anchors = [i for i, ln in enumerate(lines) if "torch._C._nn.linear" in ln or "inductor_xent" in ln]
+    start = anchors[-1] if anchors else max(0, len(lines) - keep)
+    start = max(0, min(start, len(lines) - keep))
+    return "\n".join(lines[start:])
 
 
 def _mib(b):
@@ -233,7 +245,7 @@ def main(argv=None) -> int:
 
     ref, ours = runs
     rtol = LOSS_RTOL[shape["dtype"]]
-    print(f"\n{'step':>4} | {'loss (inductor)':>15} | {'loss (inductor_xent)':>20} | {'rel. diff':>9}")
+    print(f"\n\n{'step':>4} | {'loss (inductor)':>15} | {'loss (inductor_xent)':>20} | {'rel. diff':>9}")
     worst = 0.0
     for i, (a, b) in enumerate(zip(ref.losses, ours.losses)):
         diff = abs(a - b) / max(abs(a), 1e-12)
