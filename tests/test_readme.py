@@ -9,7 +9,8 @@ import torch
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_readme_snippets_run():
+def test_readme_snippets_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the Trainer example writes its output directory here
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) >= 3, "README lost its code examples"
     namespace: dict = {"__name__": "readme"}
