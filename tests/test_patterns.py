@@ -163,6 +163,15 @@ def _lse_gather_shared(x, W, Wdv, b, y, yv, n):
     return (lse - z.gather(-1, yv[..., None]).squeeze(-1)).mean() + 1e-2 * (lse**2).mean()
 
 
+def _lse_keepdim(x, W, Wdv, b, y, yv, n):
+    """keepdim=True logsumexp minus the unsqueezed gather, squeezed at the end; z-loss on the
+    matmul-dtype logits before an upcast."""
+    z = F.linear(x, W, b)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    rows = (lse.float() - z.float().gather(-1, yv.unsqueeze(-1))).squeeze(-1)
+    return rows.sum() + 1e-2 * lse.square().sum()
+
+
 def _tied(x, W, Wdv, b, y, yv, n):
     """GPT-2 / nanoGPT tied embeddings: the lm_head weight is the token embedding."""
     h = F.embedding(yv, W) + x
@@ -173,6 +182,7 @@ SPELLINGS.update({
     "z_loss": (_z_loss, "lm_head_cross_entropy"),
     "lse_gather_shared": (_lse_gather_shared, "logsumexp_minus_gather"),
     "lse_minus_gather": (_lse_minus_gather, "logsumexp_minus_gather"),
+    "lse_keepdim": (_lse_keepdim, "logsumexp_minus_gather"),
     "tied_embedding": (_tied, "lm_head_cross_entropy"),
 })
 

@@ -14,6 +14,7 @@ import torch
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
+from ._logits import CAST_METHODS
 from ._site import Decline, LossSite, integer_target
 from .z_loss import lse_of
 
@@ -49,6 +50,8 @@ def match(node: Node):
     if not is_call(node, _SUB, ("sub",)) or node.kwargs or len(node.args) != 2:
         return None
     lse_node, g = node.args
+    while isinstance(lse_node, Node) and lse_node.op == "call_method" and lse_node.target in CAST_METHODS:
+        lse_node = lse_node.args[0]  # lse.float() - z.float().gather(...)
     found_lse = lse_of(lse_node)
     found_g = _gathered(g) if isinstance(g, Node) else None
     if found_lse is None or found_g is None:
