@@ -184,3 +184,18 @@ def test_backend_options_fuse_escaping_logits():
     rec = Recorder(**{"xent.allow_escaping_logits": True})
     torch.compile(fn, backend=rec)(**make_inputs())
     assert rec.after[0].count(OP) == 1
+
+
+def test_string_backend_with_mode_and_options():
+    """torch.compile passes mode= and options= through to the entry point."""
+    fn, _ = SPELLINGS["matmul_T_scale"]
+    ins = make_inputs()
+    compiled = torch.compile(fn, backend="inductor_xent", mode="default",
+                             options={"xent.inner": "aot_eager", "xent.allow_escaping_logits": False})
+    torch.testing.assert_close(compiled(**ins), fn(**ins))
+    assert counters["inductor_xent"]["sites_fused"] == 1
+    torch._dynamo.reset()
+    counters.clear()
+    disabled = torch.compile(fn, backend="inductor_xent", options={"xent.inner": "aot_eager", "xent.enable": False})
+    torch.testing.assert_close(disabled(**ins), fn(**ins))
+    assert counters["inductor_xent"]["sites_fused"] == 0

@@ -91,6 +91,8 @@ SPELLINGS = {
     # F.linear without bias, view to rows: nanoGPT / HF
     "linear_view_mean": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1)),
                          "lm_head_cross_entropy"),
+    # nanoGPT: logits.view(-1, logits.size(-1)), ignore_index=-1
+    "nanogpt": (lambda x, W, Wdv, b, y, yv, n: _nanogpt(x, W, torch.where(y < 0, -1, y)), "lm_head_cross_entropy"),
     # F.linear with bias, upcast, reduction sum
     "linear_bias_float_sum": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         F.linear(x, W, b).float().view(-1, V), y.view(-1), reduction="sum"), "lm_head_cross_entropy"),
@@ -148,6 +150,12 @@ def _z_loss(x, W, Wdv, b, y, yv, n):
     logits = F.linear(x, W).float()
     ce = F.cross_entropy(logits.view(-1, V), y.view(-1))
     return ce + 1e-2 * torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+def _nanogpt(x, W, targets):
+    logits = F.linear(x, W)
+    B, T, C = logits.shape
+    return F.cross_entropy(logits.view(B * T, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
 def _lse_minus_gather(x, W, Wdv, b, y, yv, n):
