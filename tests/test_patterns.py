@@ -73,20 +73,6 @@ def _hf_loss(logits, labels, n):
     return loss / n
 
 
-class _Head(torch.nn.Module):
-    """nn.Linear + nn.CrossEntropyLoss modules, as a model would hold them."""
-
-    def __init__(self, W, b):
-        super().__init__()
-        self.lm_head = torch.nn.Linear(D, V, bias=True)
-        self.lm_head.weight = torch.nn.Parameter(W)
-        self.lm_head.bias = torch.nn.Parameter(b)
-        self.loss = torch.nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1)
-
-    def forward(self, x, y):
-        return self.loss(self.lm_head(x).view(-1, V), y.view(-1))
-
-
 SPELLINGS = {
     # F.linear without bias, view to rows: nanoGPT / HF
     "linear_view_mean": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1)),
@@ -317,6 +303,36 @@ def test_all_ignored_mean_is_nan_like_eager():
     assert counters["inductor_xent"]["sites_fused"] == 1
 
 
+class _Head(torch.nn.Module):
+    """nn.Linear + nn.CrossEntropyLoss modules, as a model would hold them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(D, V, bias=True)
+        self.loss = torch.nn.CrossEntropyLoss(ignore_index=-100, label_smoothing=0.1)
+
+    def forward(self, x, y):
+        return self.loss(self.lm_head(x).view(-1, V), y.view(-1))
+
+
+def test_modules_linear_and_cross_entropy_loss():
+    """nn.Linear (bias) + nn.CrossEntropyLoss(label_smoothing): parameters are graph inputs."""
+    torch.manual_seed(0)
+    head, ins = _Head(), make_inputs()
+    rec = Recorder()
+    results = []
+    for f in (head, torch.compile(head, backend=rec)):
+        head.zero_grad(set_to_none=True)
+        x = ins["x"].clone().requires_grad_(True)
+        loss = f(x, ins["y"])
+        loss.backward()
+        results.append([loss.detach(), x.grad, head.lm_head.weight.grad, head.lm_head.bias.grad])
+    for c, e in zip(results[1], results[0]):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
+    assert rec.after[0].count(OP) == 1 and torch.nn.functional.cross_entropy not in rec.after[0]
+    assert counters["inductor_xent"]["fused.lm_head_cross_entropy"] == 1
+
+
 def test_two_sites_in_one_graph():
     """Two heads (e.g. a multi-token-prediction model): each fused, exact count 2."""
     def fn(x, W, Wdv, b, y, yv, n):
@@ -511,8 +527,7 @@ class GraphModule(torch.nn.Module):
         view_1: "i64[14]" = shift.view(-1);  shift = None
         to: "i64[14]" = view_1.to(device(type='cpu'));  view_1 = None
         flatten: "f32[14, 16]" = l_x_.flatten(0, -2);  l_x_ = None
-        reshape: "i64[14]" = to.reshape(-1);  to = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, reshape, -100, 0.0, 1.0, None, 0.0);  flatten = l_w_ = reshape = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, to, -100, 0.0, 1.0, None, 0.0);  flatten = l_w_ = to = None
         getitem_1: "f32[14]" = linear_ce_fwd_default[0]
         getitem_2: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_2 = None
         sum_1: "f32[]" = getitem_1.sum();  getitem_1 = None
@@ -536,8 +551,7 @@ class GraphModule(torch.nn.Module):
         reshape_1: "i64[12]" = getitem_1.reshape(-1);  getitem_1 = None
         getitem_2: "f32[2, 6, 16]" = l_x_[(slice(None, None, None), slice(None, -1, None))];  l_x_ = None
         flatten: "f32[12, 16]" = getitem_2.flatten(0, -2);  getitem_2 = None
-        reshape_2: "i64[12]" = reshape_1.reshape(-1)
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, reshape_2, -100, 0.0, 1.0, 2.0, 0.0);  flatten = l_w_ = reshape_2 = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, reshape_1, -100, 0.0, 1.0, 2.0, 0.0);  flatten = l_w_ = None
         getitem_3: "f32[12]" = linear_ce_fwd_default[0]
         getitem_4: "f32[12]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_4 = None
         view_as: "f32[12]" = getitem_3.view_as(reshape_1);  getitem_3 = reshape_1 = None

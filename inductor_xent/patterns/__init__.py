@@ -299,7 +299,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
         hidden = e.getitem(hidden, chain.index)
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
     weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
-    target1d = e.method("reshape", site.target, -1)
+    target1d = site.target if tval(site.target).dim() == 1 else e.method("reshape", site.target, -1)
     out = e.call(
         torch.ops.inductor_xent.linear_ce_fwd.default, hidden2d, weight, chain.bias, target1d,
         int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
