@@ -60,6 +60,23 @@ class ComposedPass(CustomGraphPass):
         return tuple(ids)
 
 
+def hash_files(paths: tuple[str, ...]) -> bytes:
+    """Inductor's ``get_hash_for_files`` (what its docs recommend for ``uuid()``), or the same idea
+    with hashlib where a release lacks it."""
+    try:
+        from torch._inductor.custom_graph_pass import get_hash_for_files
+    except ImportError:
+        import hashlib
+
+        h = hashlib.sha256()
+        for path in paths:
+            h.update(path.encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+        return h.digest()
+    return get_hash_for_files(paths)
+
+
 def _pack(passes: list) -> Any:
     if not passes:
         return None

@@ -19,7 +19,7 @@ import pathlib
 from typing import Any, Optional
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import compat
 
@@ -31,7 +31,7 @@ _PACKAGE = pathlib.Path(__file__).resolve().parent
 def source_hash() -> bytes:
     """Hash of every Python file of the package (kernels, op, backward, pass)."""
     files = tuple(sorted(str(p) for p in _PACKAGE.rglob("*.py")))
-    return get_hash_for_files(files)
+    return compat.hash_files(files)
 
 
 class CacheSalt(CustomGraphPass):
