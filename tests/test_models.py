@@ -42,6 +42,13 @@ ZOO = {
     "gpt2": (lambda v: transformers.GPT2Config(vocab_size=v, n_embd=32, n_layer=1, n_head=2, n_positions=64), 257),
     "phi3": (lambda v: transformers.Phi3Config(vocab_size=v, pad_token_id=0, **_COMMON), 109),
     "olmo2": (lambda v: transformers.Olmo2Config(vocab_size=v, pad_token_id=0, **_COMMON), 113),
+    # logits * logit_scale (a Python float), tied embeddings
+    "cohere": (lambda v: transformers.CohereConfig(vocab_size=v, logit_scale=0.25, pad_token_id=0, **_COMMON), 127),
+    # logits / logits_scaling
+    "granite": (lambda v: transformers.GraniteConfig(vocab_size=v, logits_scaling=4.0, **_COMMON), 131),
+    # Gemma 3 text: softcapping like Gemma 2
+    "gemma3": (lambda v: transformers.Gemma3TextConfig(vocab_size=v, head_dim=16, final_logit_softcapping=30.0,
+                                                        **_COMMON), 137),
 }
 
 
