@@ -186,7 +186,14 @@ def time_config(cfg, h, w, t, quick):
     o, n = LossOptions(), h.shape[0]
     gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
     _, lse = launch.forward(h, w, None, t, o, cfg=cfg)
-    return {
+    # agreement with the default config (a config must compute the same function)
+    _, lse0 = launch.forward(h, w, None, t, o)
+    grads = launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False), cfg=cfg)
+    grads0 = launch.backward(gl, gs, h, w, None, t, lse0, o, (True, True, False))
+    diff = {"diff_lse": rel_err(lse, lse0), "diff_dH": rel_err(grads[0], grads0[0]),
+            "diff_dW": rel_err(grads[1], grads0[1])}
+    del grads, grads0
+    return diff | {
         "fwd_ms": bench_ms(lambda: launch.forward(h, w, None, t, o, cfg=cfg), quick, False),
         "bwd_ms": bench_ms(lambda: launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False), cfg=cfg),
                            quick, True),
@@ -212,12 +219,37 @@ def profile_kernels(h, w, t):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 
 
-def sweep(shapes, quick, out):
+def profile_op(shapes):
+    """Our fwd+bwd through the public op: event-timed wall per iteration against the sum of the
+    kernels' GPU time (a gap means the GPU waited on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn = build("ours")
+    for shape_name in shapes:
+        h, w, t = make_data(SHAPES[shape_name], "gauss")
+        hr, wr = h.requires_grad_(), w.requires_grad_()
+        for _ in range(3):
+            torch.autograd.grad(fn(hr, wr, t), (hr, wr))
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            start.record()
+            for _ in range(3):
+                torch.autograd.grad(fn(hr, wr, t), (hr, wr))
+            end.record()
+            torch.cuda.synchronize()
+        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 3
+        print(json.dumps({"profile": shape_name, "wall_ms_per_iter": start.elapsed_time(end) / 3,
+                          "kernel_ms_per_iter": kernels}), flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
+
+
+def sweep(shapes, quick, out, names=None):
     """Time each candidate config of the forward and of the backward (launch.* with cfg=)."""
     from inductor_xent.templates import configs
 
-    names = ["m128n256k64w8s3", "m128n256k64w8s3t1", "m128n256k64w8s3t4", "m256n128k64w8s3",
-             "m256n128k64w8s3t1", "m128n128k64w8s3"]
+    names = names or ["m128n256k64w8s3", "m128n256k64w8s3t1", "m128n256k64w8s3t4", "m256n128k64w8s3",
+                      "m256n128k64w8s3t1", "m128n128k64w8s3"]
     rows = []
     for shape_name in shapes:
         shape = SHAPES[shape_name]
@@ -325,6 +357,8 @@ def main(argv=None):
     p.add_argument("--out", default="out")
     p.add_argument("--quick", action="store_true", help="fewer timed runs")
     p.add_argument("--sweep", action="store_true", help="time the kernel configs instead")
+    p.add_argument("--configs", default="", help="--sweep: config names from templates/configs.py")
+    p.add_argument("--profile", action="store_true", help="profile our fwd+bwd through the op instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench kernels needs a CUDA GPU", file=sys.stderr)
@@ -333,7 +367,10 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     shapes = args.shapes.split(",")
     if args.sweep:
-        sweep(shapes, args.quick, out)
+        sweep(shapes, args.quick, out, [c for c in args.configs.split(",") if c])
+        return 0
+    if args.profile:
+        profile_op(shapes)
         return 0
     info = env_info()
     print(json.dumps(info), flush=True)

@@ -175,6 +175,21 @@ def test_many_splits_and_chunks(monkeypatch):
     check_case(*make_inputs(dtype=torch.bfloat16, bias=True, seed=6), o)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tma_descriptors(monkeypatch, dtype):
+    """The TMA path (operands as tensor descriptors; out-of-bounds rows, columns and the D tail
+    read as zeros instead of being clamped and masked), forward and backward, with splits and
+    chunks. D=32: descriptor rows must be 16-byte aligned."""
+    monkeypatch.setattr(configs, "BWD_EXTRA_BYTES", 0)
+    monkeypatch.setattr(configs, "BWD_MIN_CHUNK_BYTES", 1)
+    tma = configs.CONFIGS["interpret"]._replace(tma=True)
+    monkeypatch.setattr(configs, "dlogits_config", lambda dtype: tma)
+    monkeypatch.setattr(configs, "forward_config", lambda dtype: tma)
+    h, w, b, t = make_inputs(d=32, dtype=dtype, bias=True, seed=13)
+    assert launch._tma_ok(tma, h, w) and not launch._tma_ok(tma, h, w.t().contiguous().t())
+    check_case(h, w, b, t, LossOptions(label_smoothing=0.1, softcap=4.0, z_loss=1e-3))
+
+
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True)])
 def test_backward_needs_subset(needs):
     """A gradient not asked for is an empty (0,) tensor; the others equal the full backward's."""

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .. import config as _config
 from .configs import KernelConfig
-from .forward import LOG2E, apply_epilogue, grouped_pid, logits_tile
+from .forward import LOG2E, apply_epilogue, grouped_pid, logits_tile, logits_tile_tma
 
 
 # ---------------------------------------------------------------------------------------------
@@ -55,9 +55,10 @@ def lce_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_UPCAST: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of dz for the chunk; the column sums into dbias[pid_m]."""
+    """One [BLOCK_M, BLOCK_N] tile of dz for the chunk; the column sums into dbias[pid_m].
+    With USE_TMA, hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
     pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(chunk, BLOCK_N), GROUP_M)
 
     # ---- recompute the logits tile ---------------------------------------------------------
@@ -67,12 +68,16 @@ def lce_dlogits_kernel(
     offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the chunk
     offs_v = v_start + offs_c
     col_mask = (offs_c < chunk) & (offs_v < V)
-    cols = tl.minimum(offs_v, V - 1).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    h_ptrs = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
-    w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
-    acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+    if USE_TMA:
+        acc = logits_tile_tma(hidden_ptr, weight_ptr, pid_m * BLOCK_M, v_start + pid_n * BLOCK_N, D,
+                              BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+    else:
+        cols = tl.minimum(offs_v, V - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
+        w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
+        acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
     z, t = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
     # ---- dz = a·p − g·((1 − ε)·onehot + ε/V), chain rule of the cap and the scale -------------

@@ -28,6 +28,7 @@ class KernelConfig(NamedTuple):
     ctas_per_sm: int = 1  # expected residency, used only to size the vocabulary split
     flatten: bool = False  # tl.range(flatten=True): one pipelined loop over (vocab tile, k)
     split_tiles: int = 0  # forward: vocabulary tiles per program; 0 = vocab_split's model
+    tma: bool = False  # operands through TMA descriptors where the layout allows (launch._tma_ok)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,6 +44,10 @@ CONFIGS: dict[str, KernelConfig] = {
     "m128n256k64w8s3t1": KernelConfig(128, 256, 64, 8, 8, 3, split_tiles=1),
     "m128n256k64w8s3t4": KernelConfig(128, 256, 64, 8, 8, 3, split_tiles=4),
     "m256n128k64w8s3t1": KernelConfig(256, 128, 64, 8, 8, 3, split_tiles=1),
+    # the same tiles with TMA (bulk tensor copies) instead of per-thread cp.async pointer loads
+    "m128n256k64w8s3tma": KernelConfig(128, 256, 64, 8, 8, 3, tma=True),
+    "m128n256k64w8s4tma": KernelConfig(128, 256, 64, 8, 8, 4, tma=True),
+    "m256n128k64w8s3tma": KernelConfig(256, 128, 64, 8, 8, 3, tma=True),
     # smaller accumulator: no spills (ptxas: 186 registers, 0 stack, offline sm_90 compile), but
     # 186 x 256 threads still allows only one CTA per SM
     "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3),

@@ -86,6 +86,23 @@ def logits_tile(
 
 
 @triton.jit
+def logits_tile_tma(h_desc, w_desc, off_m, off_v, D,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """logits_tile through TMA descriptors (Hopper's bulk tensor copies): rows, columns and the D
+    tail out of bounds read as zeros, and no address arithmetic is held in registers."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
+        a = h_desc.load([off_m, k])
+        b = w_desc.load([off_v, k])
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
 def apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap,
                    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """(z, tanh) with z = softcap * tanh((acc + bias) * logit_scale / softcap); tanh is the
@@ -119,9 +136,11 @@ def lce_fwd_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FLATTEN: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    FLATTEN: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One (row block, vocabulary split): partials m, s, zt, sz into part[4, num_splits, N]."""
+    """One (row block, vocabulary split): partials m, s, zt, sz into part[4, num_splits, N].
+    With USE_TMA, hidden_ptr and weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] and
+    [BLOCK_N, BLOCK_K] blocks (row-major, 16-byte aligned operands; the launcher decides)."""
     pid_m, pid_s = grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
 
     # ---- rows: clamp out-of-range rows onto row N-1 so loads need no row mask -----------------
@@ -129,7 +148,8 @@ def lce_fwd_kernel(
     row_mask = offs_m < N
     rows = tl.minimum(offs_m, N - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
-    h_base = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
+    if not USE_TMA:
+        h_base = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
     tgt = tl.load(target_ptr + rows)
 
     m_i = tl.full((BLOCK_M,), M_INIT, dtype=tl.float32)
@@ -143,10 +163,14 @@ def lce_fwd_kernel(
     for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN):
         offs_v = v0 + tl.arange(0, BLOCK_N)
         col_mask = offs_v < V
-        cols = tl.minimum(offs_v, V - 1).to(tl.int64)
-        w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
-        acc = logits_tile(h_base, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+        if USE_TMA:
+            acc = logits_tile_tma(hidden_ptr, weight_ptr, pid_m * BLOCK_M, v0, D,
+                                  BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+        else:
+            cols = tl.minimum(offs_v, V - 1).to(tl.int64)
+            w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
+            acc = logits_tile(h_base, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
         z, _ = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
         # ---- target logit, sum of logits, online logsumexp ---------------------------------

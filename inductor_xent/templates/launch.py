@@ -53,6 +53,32 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _tma_ok(cfg: KernelConfig, hidden: Tensor, weight: Tensor) -> bool:
+    """TMA descriptors need Hopper or later, row-major operands and 16-byte aligned rows; a
+    ``W_dv.t()`` weight or an odd D takes the pointer path."""
+    if not cfg.tma:
+        return False
+    if hidden.device.type == "cuda":
+        if torch.cuda.get_device_capability(hidden.device)[0] < 9:
+            return False
+    elif not config.triton_interpret():  # the interpreter emulates descriptors (CI tests this path)
+        return False
+    return all(
+        x.stride(1) == 1 and (x.stride(0) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+        for x in (hidden, weight)
+    )
+
+
+def _operands(cfg: KernelConfig, hidden: Tensor, weight: Tensor, use_tma: bool):
+    """(hidden, weight) as the kernels take them: tensors, or TMA descriptors of one tile each."""
+    if not use_tma:
+        return hidden, weight
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(hidden, [cfg.block_m, cfg.block_k]),
+            TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]))
+
+
 def _options(opts: LossOptions) -> tuple[float, float]:
     """(logit_scale, softcap) as kernel scalars; softcap is unused when None."""
     return float(opts.logit_scale), 1.0 if opts.softcap is None else float(opts.softcap)
@@ -92,15 +118,17 @@ def forward(
     need_sum_z = opts.label_smoothing != 0.0
     part = torch.empty((3 + need_sum_z, splits, n), dtype=torch.float32, device=hidden.device)
     logit_scale, softcap = _options(opts)
+    use_tma = _tma_ok(cfg, hidden, weight)
+    h_op, w_op = _operands(cfg, hidden, weight, use_tma)
     lce_fwd_kernel[(num_m * splits,)](
-        hidden, weight, bias, target, part,
+        h_op, w_op, bias, target, part,
         n, v, d, tiles_per_split, splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         logit_scale, softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
-        NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, DOT_UPCAST=config.triton_interpret(),
+        NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
@@ -172,12 +200,14 @@ def backward(
         acc = torch.zeros((n, d), dtype=torch.float32, device=hidden.device) if fp32_acc else grad_h.zero_()
     logit_scale, softcap = _options(opts)
     acc_cfg = configs.acc_mm_config(hidden.dtype)
+    use_tma = _tma_ok(cfg, hidden, weight)
+    h_op, w_op = _operands(cfg, hidden, weight, use_tma)
 
     for v0 in range(0, v, chunk):
         cols = min(chunk, v - v0)
         dz = dz_buf[:, :cols]
         lce_dlogits_kernel[(num_m * triton.cdiv(cols, cfg.block_n),)](
-            hidden, weight, bias, target, lse, grad_loss, grad_lse, dz, dbias,
+            h_op, w_op, bias, target, lse, grad_loss, grad_lse, dz, dbias,
             n, v, d, v0, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             dz.stride(0), dbias.stride(0),
@@ -185,7 +215,7 @@ def backward(
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_DBIAS=need_b,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
-            DOT_UPCAST=config.triton_interpret(),
+            DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         dz = dz.to(hidden.dtype)
