@@ -192,8 +192,6 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     out_dtype = tval(site.loss).dtype
     if out_dtype == torch.float64 and tx.dtype != torch.float64:
         return "float64 loss of lower-precision logits: the op would compute in float32"
-    if chain.hidden.op == "get_attr" or not isinstance(chain.hidden, Node):
-        return "the hidden states are not a graph value"
 
     owned = {*chain.nodes, *site.consumed, site.loss}
     lse_users: dict = {}
