@@ -69,6 +69,7 @@ def explain(fn, *args, **kwargs) -> Report:
     import torch
 
     fn = getattr(fn, "_orig_mod", fn)  # a torch.compile'd module: explain the module itself
+    fn = getattr(fn, "_torchdynamo_orig_callable", fn)  # a torch.compile'd function
     report = Report()
 
     def recording_backend(gm, example_inputs):

@@ -53,6 +53,9 @@ def test_explain_unwraps_a_compiled_module():
     compiled = torch.compile(Head(), backend="eager")
     report = inductor_xent.explain(compiled, ins["x"], ins["y"])
     assert report.fused_count == 1 and report.sites[0].pattern == "lm_head_cross_entropy"
+    fn, _ = SPELLINGS["softcap"]
+    report = inductor_xent.explain(torch.compile(fn, backend="eager"), **ins)
+    assert report.fused_count == 1 and "softcap=2" in report.sites[0].reason
 
 
 def test_declined_site_reason_in_table():
