@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU box: the CUDA tests, then the kernel benchmark; JSON/PNG/logs land in $OUT.
 #   benchmarks/gpu_run.sh [full|quick|sweep|tests] [extra args for bench_kernels.py]
-# Peers (liger-kernel, cut-cross-entropy) install from wheels in .whl/ when present (no network).
+# Peers (liger-kernel, cut-cross-entropy) come from wheels in .whl/ (git-ignored: name ".whl" in the
+# device tool's carry, or they never reach the box and the peers' rows say ModuleNotFoundError).
 set -uo pipefail
 MODE=${1:-full}; shift || true
 OUT=${OUT:-out}; mkdir -p "$OUT"

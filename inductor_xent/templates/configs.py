@@ -60,8 +60,12 @@ CONFIGS: dict[str, KernelConfig] = {
     "interpret": KernelConfig(16, 32, 16, 2, 4, 1),
 }
 
-# (kernel, operand bytes) -> config name. D is not bucketed yet: the sweep on the H200 found no D
-# for which another tile won by more than the run-to-run spread (see NOTES.md).
+# (kernel, operand bytes) -> config name. D is not bucketed: in the H200 sweep (bf16, 2026-12-02,
+# benchmarks/NOTES.md) 128x256 was the fastest forward tile or within 3% at D = 4096, 2304 and 768
+# (llama3-8b 14.5 ms; 256x128 15.5, 128x128 18.8, flatten=True 27.5); the dlogits kernel's tile
+# moved the backward by less than the run-to-run spread (40.4-43.5 ms for identical kernels).
+# TMA configs compile to UTMALDG + HGMMA without spills (offline sm_90 build) but have not been
+# timed on the GPU yet, so no table uses them.
 FORWARD_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
 DLOGITS_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
 # the fp32 accumulate-GEMM used for grad_hidden where cuBLAS cannot write fp32 from bf16 inputs
