@@ -526,8 +526,8 @@ class GraphModule(torch.nn.Module):
 
         view_1: "i64[14]" = shift.view(-1);  shift = None
         to: "i64[14]" = view_1.to(device(type='cpu'));  view_1 = None
-        flatten: "f32[14, 16]" = l_x_.flatten(0, -2);  l_x_ = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, to, -100, 0.0, 1.0, None, 0.0);  flatten = l_w_ = to = None
+        reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, to, -100, 0.0, 1.0, None, 0.0);  reshape = l_w_ = to = None
         getitem_1: "f32[14]" = linear_ce_fwd_default[0]
         getitem_2: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_2 = None
         sum_1: "f32[]" = getitem_1.sum();  getitem_1 = None
@@ -550,8 +550,8 @@ class GraphModule(torch.nn.Module):
         getitem_1: "i64[2, 6]" = l_y_[(slice(None, None, None), slice(1, None, None))];  l_y_ = None
         reshape_1: "i64[12]" = getitem_1.reshape(-1);  getitem_1 = None
         getitem_2: "f32[2, 6, 16]" = l_x_[(slice(None, None, None), slice(None, -1, None))];  l_x_ = None
-        flatten: "f32[12, 16]" = getitem_2.flatten(0, -2);  getitem_2 = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, reshape_1, -100, 0.0, 1.0, 2.0, 0.0);  flatten = l_w_ = None
+        reshape_2: "f32[12, 16]" = getitem_2.reshape([-1, 16]);  getitem_2 = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_2, l_w_, None, reshape_1, -100, 0.0, 1.0, 2.0, 0.0);  reshape_2 = l_w_ = None
         getitem_3: "f32[12]" = linear_ce_fwd_default[0]
         getitem_4: "f32[12]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_4 = None
         view_as: "f32[12]" = getitem_3.view_as(reshape_1);  getitem_3 = reshape_1 = None
@@ -585,3 +585,84 @@ def test_internal_error_declines_instead_of_failing(monkeypatch):
     torch.testing.assert_close(torch.compile(fn, backend=rec)(**ins), fn(**ins))
     assert rec.after[0] == rec.before[0]
     assert counters["inductor_xent"]["sites_declined"] == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# "in any combination": a fixed random sample of (matmul, logits transform, cast, slice, loss,
+# z-loss) combinations, each fused exactly once and exact
+# ---------------------------------------------------------------------------------------------
+def _matmul(kind, x, W, Wdv, b):
+    if kind == "linear":
+        return F.linear(x, W)
+    if kind == "linear_bias":
+        return F.linear(x, W, b)
+    if kind == "matmul_T_bias_add":
+        return x @ W.T + b
+    if kind == "mm_view":
+        return torch.mm(x.reshape(-1, D), W.t()).view(x.shape[0], x.shape[1], V)
+    if kind == "einsum":
+        return torch.einsum("btd,vd->btv", x, W)
+    return torch.matmul(x, Wdv)  # [D, V] weight
+
+
+def _transform(kind, z):
+    if kind == "scale":
+        return z * 0.7
+    if kind == "softcap":
+        return torch.tanh(z / 5.0) * 5.0
+    if kind == "scale_softcap":
+        return torch.tanh((z / 2.0) / 5.0) * 5.0
+    return z
+
+
+def _loss(kind, z, t, tv):
+    if kind == "ce_mean":
+        return F.cross_entropy(z.reshape(-1, V), t.reshape(-1))
+    if kind == "ce_sum_smoothing":
+        return F.cross_entropy(z.reshape(-1, V), t.reshape(-1), reduction="sum", label_smoothing=0.1)
+    if kind == "ce_none_masked":
+        mask = (t != -100).reshape(-1)
+        return (F.cross_entropy(z.reshape(-1, V), t.reshape(-1), reduction="none") * mask).sum() / mask.sum()
+    if kind == "ce_transposed":
+        return F.cross_entropy(z.transpose(1, 2), t)
+    if kind == "nll":
+        return F.nll_loss(F.log_softmax(z, -1).reshape(-1, V), t.reshape(-1))
+    if kind == "lse_gather":
+        return (torch.logsumexp(z, -1) - z.gather(-1, tv[..., None]).squeeze(-1)).mean()
+    if kind == "one_hot":
+        return -(F.one_hot(tv, V) * F.log_softmax(z, -1)).sum(-1).mean()
+    return -(z.log_softmax(-1).gather(-1, tv[..., None])).mean()  # logprob_gather
+
+
+_AXES = dict(
+    matmul=["linear", "linear_bias", "matmul_T_bias_add", "mm_view", "einsum", "weight_dv"],
+    transform=["none", "scale", "softcap", "scale_softcap"],
+    cast=[False, True],
+    slice_seq=[False, True],
+    loss=["ce_mean", "ce_sum_smoothing", "ce_none_masked", "ce_transposed", "nll", "lse_gather", "one_hot",
+          "logprob_gather"],
+    z_loss=[False, True],
+)
+_ALL = [dict(zip(_AXES, values)) for values in __import__("itertools").product(*_AXES.values())]
+COMBOS = __import__("random").Random(0).sample(_ALL, 24)
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_combinations(combo):
+    def fn(x, W, Wdv, b, y, yv, n):
+        z = _transform(combo["transform"], _matmul(combo["matmul"], x, W, Wdv, b))
+        t, tv = y, yv
+        if combo["slice_seq"]:
+            z, t, tv = z[:, :-1], y[:, 1:], yv[:, 1:]
+        if combo["cast"]:
+            z = z.float()
+        loss = _loss(combo["loss"], z, t, tv)
+        if combo["z_loss"]:
+            loss = loss + 1e-2 * torch.logsumexp(z, -1).pow(2).mean()
+        return loss
+
+    rec = Recorder()
+    assert_parity(fn, make_inputs(), rec, what=str(combo))
+    assert rec.after[0].count(OP) == 1
+    assert _sources(rec.after[0]) == []
+    assert counters["inductor_xent"]["sites_fused"] == 1 and counters["inductor_xent"]["sites_declined"] == 0

@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 
 from .. import config, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
 from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
-from ._fx import Emitter, hint, same, tval
+from ._fx import Emitter, hint, tval
 from ._site import NO_IGNORE, Decline, LossSite
 
 log = logging.getLogger(__name__)
@@ -165,7 +165,7 @@ def _fused_reason(site: LossSite, chain: _logits.Logits, plan: dict) -> str:
         parts.append(f"logit_scale={chain.logit_scale:g}")
     if chain.softcap is not None:
         parts.append(f"softcap={chain.softcap:g}")
-    if chain.index is not None:
+    if chain.sliced:
         parts.append("slice pushed onto the hidden states")
     if not chain.weight_is_vd:
         parts.append("[D, V] weight")
@@ -227,24 +227,18 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     unsafe = _unsafe_between(gm, order, chain, anchor)
     if unsafe:
         return unsafe
-    # the shape of each replaced logsumexp: the leading dims of its input
-    h_lead = tval(chain.hidden).shape[:-1]
-    lse_shapes = {}
-    for u in lse_users:
-        lead = tval(u.args[0] if u.args else u.kwargs["input"]).shape[:-1]
-        if len(lead) == 1:
-            lse_shapes[u] = "rows"
-        elif chain.index is None and len(lead) == len(h_lead) and all(map(same, lead, h_lead)):
-            lse_shapes[u] = "hidden"
-        elif len(lead) == tt.dim() and all(map(same, lead, tt.shape)):
-            lse_shapes[u] = "target"
-        else:
-            return "a logsumexp of the logits with a shape the rewrite cannot rebuild"
+    # the hidden states go through the logits' leading-dim views with D in place of V
+    tw = tval(chain.weight)
+    d = tw.shape[1] if chain.weight_is_vd else tw.shape[0]
+    hidden_last = d if isinstance(d, int) else -1
+    if hidden_last == -1 and any(op[0] == "reshape" and -1 in [x for x in op[1] if isinstance(x, int)]
+                                 for _, op in chain.shape_ops):
+        return "a symbolic hidden size with a reshape(-1, ...) of the logits"
     return {
         "anchor": anchor,
         "hoist": late,
+        "hidden_last": hidden_last,
         "lse_users": lse_users,
-        "lse_shapes": lse_shapes,
         "escapes": escapes,
         "escapes_to_output": any(u.op == "output" for u in escapes),
     }
@@ -292,9 +286,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
     for n in plan["hoist"]:  # e.g. targets computed after a z-loss logsumexp: move them up
         plan["anchor"].prepend(n)
     e = Emitter(graph, plan["anchor"], site.loss)
-    hidden = chain.hidden
-    if chain.index is not None:
-        hidden = e.getitem(hidden, chain.index)
+    hidden = _logits.replay(e, chain.hidden, [op for _, op in chain.shape_ops], plan["hidden_last"])
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
     weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
     target1d = site.target if tval(site.target).dim() == 1 else e.method("reshape", site.target, -1)
@@ -321,15 +313,18 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
     site.loss.replace_all_uses_with(loss)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
+    # (shaped like the node each reads: the hidden states through the same views, less D)
+    all_ops = [op for _, op in chain.shape_ops]
     for u, keepdim in plan["lse_users"].items():
-        shape = plan["lse_shapes"][u]
-        value = lse
-        if shape == "hidden":
-            value = e.method("view", lse, e.getitem(e.method("size", hidden), slice(None, -1)))
-        elif shape == "target":
-            value = e.method("view_as", lse, site.target)
-        if keepdim:
-            value = e.method("unsqueeze", value, -1)
+        position = chain.nodes.index(u.args[0] if u.args else u.kwargs["input"])
+        upto = [op for i, op in chain.shape_ops if i <= position]
+        if tval(u).dim() == 1 and not keepdim:
+            value = lse  # one lse per row, in row order: exactly the op's
+        else:
+            like = hidden if upto == all_ops else _logits.replay(e, chain.hidden, upto, plan["hidden_last"])
+            value = e.method("view", lse, e.getitem(e.method("size", like), slice(None, -1)))
+            if keepdim:
+                value = e.method("unsqueeze", value, -1)
         u.replace_all_uses_with(_cast_like(e, value, u))
 
     # erase what became dead (and only that: escaping logits stay for their other users)

@@ -12,8 +12,9 @@ the matmul and that tensor, and folds it into the op's arguments:
 * multiplication or division by a Python number (-> ``logit_scale``), ``tanh`` between two such
   factors (Gemma 2's ``final_logit_softcapping``: div -> tanh -> mul, -> ``softcap``);
 * a bias add of a ``[V]`` tensor right after the matmul;
-* a slice along the leading (batch/sequence) dimensions, which the rewrite applies to the hidden
-  states instead (``logits[:, :-1]`` -> ``hidden[:, :-1]``).
+* slices along the leading (batch/sequence) dimensions and the views around them, which the
+  rewrite replays on the hidden states instead (``logits[:, :-1]`` -> ``hidden[:, :-1]``;
+  ``mm(h2d, W.t()).view(B, T, V)[:, 1:]`` -> ``h2d.reshape(B, T, D)[:, 1:]``).
 """
 
 from __future__ import annotations
@@ -58,9 +59,15 @@ class Logits:
     bias: Optional[Node] = None  # [V]
     logit_scale: float = 1.0
     softcap: Optional[float] = None
-    index: Any = None  # leading-dim slice to apply to the hidden states, or None
+    # views / slices of the leading dims between matmul and logits, in order, as (position in
+    # ``nodes`` of the node they produce, op); ``replay`` applies them to the hidden states
+    shape_ops: list = field(default_factory=list)
     nodes: list = field(default_factory=list)  # matmul ... logits, in graph order
     final_from: int = 0  # nodes[final_from:] hold the final logit values (for the lse mapping)
+
+    @property
+    def sliced(self) -> bool:
+        return any(op[0] == "slice" for _, op in self.shape_ops)
 
     @property
     def out(self) -> Node:
@@ -82,6 +89,43 @@ def _leading_slice(index: Any, ndim: int) -> bool:
         after = items[items.index(Ellipsis) + 1:]
         return not after or _is_full_slice(after[-1])
     return len(items) < ndim or _is_full_slice(items[-1])
+
+
+def _shape_arg(node: Node) -> Optional[list]:
+    """The target shape of ``view`` / ``reshape`` / ``torch.reshape`` whose last entry is the
+    vocabulary (or -1); None when it has another form."""
+    if node.op == "call_method":
+        rest = list(node.args[1:]) or [node.kwargs.get("size", node.kwargs.get("shape"))]
+    else:
+        rest = [arg(node, 1, "shape")]
+    if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)):
+        rest = list(rest[0])
+    if not rest or any(r is None for r in rest):
+        return None
+    last, vocab = rest[-1], tval(node).shape[-1]
+    if isinstance(last, Node):
+        last = last.meta.get("example_value")
+    if isinstance(last, bool) or last is None:
+        return None
+    if (isinstance(last, int) and last == -1) or same(last, vocab):
+        return rest
+    return None
+
+
+def replay(emit, tensor: Node, ops: list, last: Any) -> Node:
+    """Apply the leading-dim views / slices ``ops`` of the logits to ``tensor``, whose last
+    dimension is ``last`` (D for the hidden states, 1 for an lse column) instead of V."""
+    for op in ops:
+        if op[0] == "slice":
+            tensor = emit.getitem(tensor, op[1])
+        elif op[0] == "flatten":
+            tensor = emit.method("flatten", tensor, op[1], op[2])
+        else:
+            shape = list(op[1])
+            if not (isinstance(shape[-1], int) and shape[-1] == -1):
+                shape[-1] = last
+            tensor = emit.method("reshape", tensor, shape)
+    return tensor
 
 
 def _tensor_side(node: Node) -> tuple[Optional[Node], Any]:
@@ -112,17 +156,23 @@ def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
         ins = tval(src)
         if ins is None or ins.dtype != out.dtype or out.dim() < 2 or not same(out.shape[-1], ins.shape[-1]):
             return None
+        if node.target == "contiguous":
+            return "noop", src, None
         if node.target in ("flatten", torch.flatten):
+            start, end = arg(node, 1, "start_dim", 0), arg(node, 2, "end_dim", -1)
             # flatten must stop before the vocabulary dimension
-            end = arg(node, 2, "end_dim", -1)
-            if norm_dim(end, ins.dim()) == ins.dim() - 1:
+            if norm_dim(end, ins.dim()) in (None, ins.dim() - 1) or norm_dim(start, ins.dim()) is None:
                 return None
-        return ("view" if node.target != "contiguous" else "noop"), src, None
+            return "view", src, ("flatten", start, end)
+        shape = _shape_arg(node)
+        if shape is None:
+            return None
+        return "view", src, ("reshape", shape)
     if node.op == "call_function" and node.target is operator.getitem:
         src, index = node.args
         ins = tval(src)
         if ins is not None and _leading_slice(index, ins.dim()):
-            return "slice", src, index
+            return "slice", src, ("slice", index)
         return None
     if is_call(node, MUL, ("mul",)) and not node.kwargs.get("out"):
         src, k = _tensor_side(node)
@@ -231,8 +281,8 @@ def trace(logits: Node) -> Union[Logits, str, None]:
         return "the hidden states are not a [..., D] tensor with at least one row dimension"
     root.nodes = [node]
 
-    # replay the steps forward, folding them into (bias, logit_scale, softcap, index)
-    scale, post, tanh_seen, reshaped = 1.0, None, False, False
+    # replay the steps forward, folding them into (bias, logit_scale, softcap, shape_ops)
+    scale, post, tanh_seen = 1.0, None, False
     final_from = 0
     for kind, _src, payload, n in reversed(steps):
         root.nodes.append(n)
@@ -251,14 +301,8 @@ def trace(logits: Node) -> Union[Logits, str, None]:
             if scale != 1.0 or tanh_seen:
                 return "a bias added after the logits were scaled or softcapped"
             root.bias = payload
-        elif kind == "slice":
-            if reshaped:
-                return "a slice after the logits were reshaped"
-            if root.index is not None:
-                return "two slices between the matmul and the loss"
-            root.index = payload
-        elif kind == "view":
-            reshaped = True
+        elif kind in ("slice", "view"):
+            root.shape_ops.append((len(root.nodes) - 1, payload))
         if kind in ("scale", "tanh", "bias", "slice"):
             final_from = len(root.nodes) - 1
     root.final_from = final_from
