@@ -34,7 +34,7 @@ from torch import Tensor
 
 from .. import config as _config
 from .configs import KernelConfig
-from .forward import LOG2E, apply_epilogue, grouped_pid, logits_tile, logits_tile_tma
+from .forward import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, logits_tile, logits_tile_tma
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,7 +59,7 @@ def lce_dlogits_kernel(
 ):
     """One [BLOCK_M, BLOCK_N] tile of dz for the chunk; the column sums into dbias[pid_m].
     With USE_TMA, hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), tl.cdiv(chunk, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), cdiv(chunk, BLOCK_N), GROUP_M)
 
     # ---- recompute the logits tile ---------------------------------------------------------
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,7 +98,7 @@ def lce_dlogits_kernel(
     out = dz_ptr + rows[:, None] * stride_dz_n + offs_c[None, :]
     tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=live)
     if NEED_DBIAS:
-        tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_c, tl.sum(dz, axis=0),
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_c, tl.reduce(dz, 0, add_combine),
                  mask=offs_c < chunk)
 
 
@@ -115,7 +115,7 @@ def lce_acc_mm_kernel(
     INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
 ):
     """fp32 accumulate-GEMM for grad_hidden (BLOCK_N tiles K = D, BLOCK_K steps R = Vc)."""
-    pid_m, pid_n = grouped_pid(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), cdiv(M, BLOCK_M), cdiv(K, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_m, M - 1).to(tl.int64)
@@ -123,7 +123,7 @@ def lce_acc_mm_kernel(
     offs_r = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_a_m + offs_r[None, :] * stride_a_r
     b_ptrs = b_ptr + cols[None, :] * stride_b_k + offs_r[:, None] * stride_b_r
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for r in tl.range(0, R, BLOCK_K, num_stages=NUM_STAGES):
         r_mask = offs_r < R - r
         a = tl.load(a_ptrs, mask=r_mask[None, :], other=0.0)

@@ -36,7 +36,28 @@ M_INIT = tl.constexpr(-1.0e30)
 
 # ---------------------------------------------------------------------------------------------
 # helpers shared with backward.py
+#
+# The kernels use only Triton builtins and these helpers, never triton.language.standard's
+# jit functions (tl.cdiv, tl.sum, tl.max, tl.zeros): those are created when triton.language is
+# first imported, so a process that imported triton before setting TRITON_INTERPRET=1 (a test
+# session where torch._inductor loaded first) would hold compiled-mode versions that the
+# interpreter refuses to call. tl.reduce with our own combine functions generates the same code.
 # ---------------------------------------------------------------------------------------------
+@triton.jit
+def add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
 @triton.jit
 def tanh_via_exp(x):
     """tanh(x) = 1 - 2 / (exp(2x) + 1); exp overflowing to inf gives exactly +-1."""
@@ -67,7 +88,7 @@ def logits_tile(
     """acc[BLOCK_M, BLOCK_N] = hidden_rows @ weight_cols.T over the whole D, fp32 accumulate.
     ``h_ptrs`` is [BLOCK_M, BLOCK_K], ``w_ptrs`` [BLOCK_K, BLOCK_N], both at k = 0; rows and
     columns were clamped in bounds by the caller, so only the D tail needs a mask."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             a = tl.load(h_ptrs)
@@ -91,7 +112,7 @@ def logits_tile_tma(h_desc, w_desc, off_m, off_v, D,
                     INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """logits_tile through TMA descriptors (Hopper's bulk tensor copies): rows, columns and the D
     tail out of bounds read as zeros, and no address arithmetic is held in registers."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
         a = h_desc.load([off_m, k])
         b = w_desc.load([off_v, k])
@@ -141,7 +162,7 @@ def lce_fwd_kernel(
     """One (row block, vocabulary split): partials m, s, zt, sz into part[4, num_splits, N].
     With USE_TMA, hidden_ptr and weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] and
     [BLOCK_N, BLOCK_K] blocks (row-major, 16-byte aligned operands; the launcher decides)."""
-    pid_m, pid_s = grouped_pid(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, GROUP_M)
+    pid_m, pid_s = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), num_splits, GROUP_M)
 
     # ---- rows: clamp out-of-range rows onto row N-1 so loads need no row mask -----------------
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -153,9 +174,9 @@ def lce_fwd_kernel(
     tgt = tl.load(target_ptr + rows)
 
     m_i = tl.full((BLOCK_M,), M_INIT, dtype=tl.float32)
-    s_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    zt_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    sz_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    s_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    zt_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    sz_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
 
     # ---- walk this split's vocabulary tiles ---------------------------------------------------
     v_begin = pid_s * tiles_per_split * BLOCK_N
@@ -178,12 +199,12 @@ def lce_fwd_kernel(
         # one [BLOCK_M, BLOCK_N] fp32 tile live instead of two (ptxas, sm_90, 128x256 tile, 8
         # warps: 104 bytes of stack -> 0; on the H200 70 spilled registers -> see NOTES.md).
         hit = (offs_v[None, :] == tgt[:, None]) & col_mask[None, :]
-        zt_i += tl.sum(tl.where(hit, z, 0.0), axis=1)
+        zt_i += tl.reduce(tl.where(hit, z, 0.0), 1, add_combine)
         if NEED_SUM_Z:
-            sz_i += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
+            sz_i += tl.reduce(tl.where(col_mask[None, :], z, 0.0), 1, add_combine)
         z = tl.where(col_mask[None, :], z, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(z, axis=1))
-        s_i = s_i * tl.exp2((m_i - m_new) * LOG2E) + tl.sum(tl.exp2((z - m_new[:, None]) * LOG2E), axis=1)
+        m_new = tl.maximum(m_i, tl.reduce(z, 1, max_combine))
+        s_i = s_i * tl.exp2((m_i - m_new) * LOG2E) + tl.reduce(tl.exp2((z - m_new[:, None]) * LOG2E), 1, add_combine)
         m_i = m_new
 
     # ---- partials ------------------------------------------------------------------------------
@@ -216,9 +237,9 @@ def lce_combine_kernel(
     mask = offs < N
     plane = num_splits * N
     m = tl.full((BLOCK,), M_INIT, dtype=tl.float32)
-    s = tl.zeros((BLOCK,), dtype=tl.float32)
-    zt = tl.zeros((BLOCK,), dtype=tl.float32)
-    sz = tl.zeros((BLOCK,), dtype=tl.float32)
+    s = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    zt = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    sz = tl.full((BLOCK,), 0.0, dtype=tl.float32)
     p_m = part_ptr + offs  # pointer increments keep the offsets 64-bit
     p_s = p_m + plane
     p_zt = p_s + plane
