@@ -8,7 +8,7 @@ them: 8·N·D·V FLOPs in total instead of 6·N·D·V, in exchange for O(N + V·
 Gradient of the per-row loss w.r.t. the (capped) logits ``z`` of a row, with incoming gradients
 ``g`` (loss) and ``h`` (lse), ``p = softmax(z)``, ``ε`` = label_smoothing::
 
-    dz = (g·(1 + 2·z_loss·lse) + h)·p − g·((1 − ε)·onehot(t) + ε/V)
+    dz = g·(p − (1 − ε)·onehot(t) − ε/V) + (2·z_loss·lse·g + h)·p
 
 then times ``1 − tanh²`` for softcapping and ``logit_scale`` for the scale. Ignored rows have
 ``g = 0`` (their loss is the constant 0) but still pass ``h`` through.
@@ -100,17 +100,22 @@ def backward(
     eps = opts.label_smoothing
     valid = target != opts.ignore_index
     g = torch.where(valid, grad_loss.to(cd), 0.0)
-    # coefficient of the softmax in dz; the z-loss term is 2·z_loss·lse·p
-    a = g * (1 + 2 * opts.z_loss * lse.to(cd)) + grad_lse.to(cd)
+    # The softmax's coefficient from the lse terms (z-loss and the lse output), kept apart from
+    # g·(p − onehot): folding it into one factor g·(1 + 2·z_loss·lse) rounds the small z-loss term
+    # against 1, and where p ≈ onehot (confident rows, V = 1) that rounding is the whole gradient.
+    c = 2 * opts.z_loss * lse.to(cd) * g + grad_lse.to(cd)
     step = chunk_rows(n, vocab, cd)
     for start in range(0, n, step):
         rows = slice(start, start + step)
         h = hidden[rows].to(cd)
         z, tanh = _chunk_logits(h, w, b, opts)
-        d = z.sub_(lse[rows].to(cd).unsqueeze(1)).exp_().mul_(a[rows].unsqueeze(1))  # a·p, in place
+        p = z.sub_(lse[rows].to(cd).unsqueeze(1)).exp_()  # softmax, in place of the logits
+        d = p * g[rows].unsqueeze(1)
         d.scatter_add_(1, torch.where(valid[rows], target[rows], 0).unsqueeze(1), (-(1 - eps) * g[rows]).unsqueeze(1))
         if eps != 0.0:
             d.sub_((eps / vocab) * g[rows].unsqueeze(1))
+        d.addcmul_(p, c[rows].unsqueeze(1))
+        del p
         if tanh is not None:
             d.mul_(tanh.square_().neg_().add_(1))
         if opts.logit_scale != 1.0:
