@@ -647,8 +647,7 @@ _ALL = [dict(zip(_AXES, values)) for values in __import__("itertools").product(*
 COMBOS = __import__("random").Random(0).sample(_ALL, 24)
 
 
-@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(v) for v in c.values()))
-def test_combinations(combo):
+def _combination(combo):
     def fn(x, W, Wdv, b, y, yv, n):
         z = _transform(combo["transform"], _matmul(combo["matmul"], x, W, Wdv, b))
         t, tv = y, yv
@@ -660,7 +659,31 @@ def test_combinations(combo):
         if combo["z_loss"]:
             loss = loss + 1e-2 * torch.logsumexp(z, -1).pow(2).mean()
         return loss
+    return fn
 
+
+@pytest.mark.parametrize("combo", COMBOS[:6], ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_combinations_dynamic_true(combo):
+    """dynamic=True: every size symbolic, the weight's D and V included; two batch sizes."""
+    fn = _combination(combo)
+    frames = []
+    for enable in (True, False):
+        torch._dynamo.reset()
+        counters.clear()
+        backend = Counting(Recorder(**{"xent.enable": enable}))
+        compiled = torch.compile(fn, backend=backend, dynamic=True)
+        for batch in (2, 3):
+            ins = make_inputs(batch=batch, seed=batch)
+            torch.testing.assert_close(compiled(**ins), fn(**ins), rtol=1e-5, atol=1e-5)
+        frames.append(backend.frames)
+        if enable:
+            assert counters["inductor_xent"]["sites_fused"] == frames[0] and backend.backend.after[0].count(OP) == 1
+    assert frames[0] == frames[1]
+
+
+@pytest.mark.parametrize("combo", COMBOS, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_combinations(combo):
+    fn = _combination(combo)
     rec = Recorder()
     assert_parity(fn, make_inputs(), rec, what=str(combo))
     assert rec.after[0].count(OP) == 1

@@ -227,17 +227,9 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     unsafe = _unsafe_between(gm, order, chain, anchor)
     if unsafe:
         return unsafe
-    # the hidden states go through the logits' leading-dim views with D in place of V
-    tw = tval(chain.weight)
-    d = tw.shape[1] if chain.weight_is_vd else tw.shape[0]
-    hidden_last = d if isinstance(d, int) else -1
-    if hidden_last == -1 and any(op[0] == "reshape" and -1 in [x for x in op[1] if isinstance(x, int)]
-                                 for _, op in chain.shape_ops):
-        return "a symbolic hidden size with a reshape(-1, ...) of the logits"
     return {
         "anchor": anchor,
         "hoist": late,
-        "hidden_last": hidden_last,
         "lse_users": lse_users,
         "escapes": escapes,
         "escapes_to_output": any(u.op == "output" for u in escapes),
@@ -286,7 +278,12 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
     for n in plan["hoist"]:  # e.g. targets computed after a z-loss logsumexp: move them up
         plan["anchor"].prepend(n)
     e = Emitter(graph, plan["anchor"], site.loss)
-    hidden = _logits.replay(e, chain.hidden, [op for _, op in chain.shape_ops], plan["hidden_last"])
+    # the hidden states go through the logits' leading-dim views with D in place of V
+    d = tval(chain.weight).shape[1 if chain.weight_is_vd else 0]
+    if not isinstance(d, int):  # a symbolic D (dynamic=True on a weight input): read it in the graph
+        d = e.method("size", chain.weight, 1 if chain.weight_is_vd else 0)
+    plan["hidden_last"] = d
+    hidden = _logits.replay(e, chain.hidden, [op for _, op in chain.shape_ops], d)
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
     weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
     target1d = site.target if tval(site.target).dim() == 1 else e.method("reshape", site.target, -1)
