@@ -689,3 +689,29 @@ def test_combinations(combo):
     assert rec.after[0].count(OP) == 1
     assert _sources(rec.after[0]) == []
     assert counters["inductor_xent"]["sites_fused"] == 1 and counters["inductor_xent"]["sites_declined"] == 0
+
+
+def test_call_module_linear_declines_with_reason():
+    """torch 2.11 with inline_inbuilt_nn_modules=False shows nn.Linear as call_module: declined
+    with what to change (simulated with symbolic_trace plus fake example values)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(D, V)
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.lm_head(x).float().view(-1, V), y.view(-1))
+
+    gm = torch.fx.symbolic_trace(M())
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    ins = make_inputs()
+    FakeTensorProp(gm, mode).propagate(mode.from_tensor(ins["x"]), mode.from_tensor(ins["y"]))
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = node.meta.get("val")
+    before = _targets(gm)
+    (site,) = patterns.run(gm)
+    assert not site.fused and "inline_inbuilt_nn_modules" in site.reason
+    assert _targets(gm) == before

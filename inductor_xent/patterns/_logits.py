@@ -48,6 +48,19 @@ GRAPH_INPUT = (
 )
 
 
+CALL_MODULE = (
+    "the lm_head is an nn.Linear call_module node (torch._dynamo.config.inline_inbuilt_nn_modules="
+    "False, possible on torch 2.11): set it to True (the default) to fuse"
+)
+
+
+def _is_linear_module(node: Node) -> bool:
+    try:
+        return isinstance(node.graph.owning_module.get_submodule(node.target), torch.nn.Linear)
+    except (AttributeError, TypeError):
+        return False
+
+
 @dataclass
 class Logits:
     """The lm_head logits feeding a loss, and what the op needs to recompute them."""
@@ -268,6 +281,8 @@ def trace(logits: Node) -> Union[Logits, str, None]:
         if step is None:
             if isinstance(node, Node) and node.op == "placeholder" and steps and steps[-1][0] == "cast":
                 return GRAPH_INPUT
+            if isinstance(node, Node) and node.op == "call_module" and _is_linear_module(node):
+                return CALL_MODULE
             return _unsupported(node)
         steps.append((*step, node))
         node = step[1]
