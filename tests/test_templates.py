@@ -175,6 +175,30 @@ def test_many_splits_and_chunks(monkeypatch):
     check_case(*make_inputs(dtype=torch.bfloat16, bias=True, seed=6), o)
 
 
+def test_z_loss_gradient_where_softmax_is_onehot():
+    """V=1, so p == onehot: the CE part of dz is 0 and the z-loss term is the whole gradient. It
+    must not be rounded away against g, as the folded g·(1 + 2·z_loss·lse) did (2.3e-5 relative
+    error, against 6e-8 now). The torch side here is F.cross_entropy plus a separate z-loss, whose
+    backward has no such cancellation."""
+    h, w, _, _ = make_inputs(n=9, d=8, v=1, seed=11)
+    t = torch.zeros(9, dtype=torch.long)  # the only class; no row ignored
+    o = LossOptions(z_loss=1e-3)
+    gl = torch.rand(9, generator=torch.Generator().manual_seed(12)) + 0.5
+
+    def grads(h, w, fn):
+        h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        (gl.to(h.dtype) * fn(h, w)).sum().backward()
+        return h.grad, w.grad
+
+    exact = grads(h.double(), w.double(), lambda h, w: reference.loss_rows(h, w, None, t, o)[0])
+    same = grads(h, w, lambda h, w: F.cross_entropy(F.linear(h, w), t, reduction="none")
+                 + 1e-3 * torch.logsumexp(F.linear(h, w), -1) ** 2)
+    _, lse = launch.forward(h, w, None, t, o)
+    ours = launch.backward(gl, torch.zeros(9), h, w, None, t, lse, o, (True, True, False))
+    for name, x, s, e in zip(("hidden", "weight"), ours, same, exact):
+        assert rel_err(x, e) <= K * rel_err(s, e) + 1e-7, (name, rel_err(x, e), rel_err(s, e))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tma_descriptors(monkeypatch, dtype):
     """The TMA path (operands as tensor descriptors; out-of-bounds rows, columns and the D tail

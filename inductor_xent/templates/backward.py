@@ -6,7 +6,7 @@ The backward walks the vocabulary in chunks of Vc columns (``configs.dlogits_chu
    writes the gradient of the loss w.r.t. the raw linear output, in the input dtype, ``[N, Vc]``:
 
        p  = exp(z - lse)
-       dz = (g·(1 + 2·z_loss·lse) + h)·p − g·((1 − ε)·onehot(t) + ε/V)
+       dz = g·(p − (1 − ε)·onehot(t) − ε/V) + (2·z_loss·lse·g + h)·p
        dz ×= (1 − tanh²) if softcapped;  dz ×= logit_scale
 
    with g = grad_loss (0 on ignored rows) and h = grad_lse; plus, for grad_bias, one fp32 column
@@ -80,15 +80,17 @@ def lce_dlogits_kernel(
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
     z, t = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
-    # ---- dz = a·p − g·((1 − ε)·onehot + ε/V), chain rule of the cap and the scale -------------
+    # ---- dz = g·q + c·p with q = p − (1 − ε)·onehot − ε/V and c = 2·z_loss·lse·g + h -----------
+    # written (g + c)·q + c·((1 − ε)·onehot + ε/V): one tile live, and c is never rounded against g
+    # (the folded g·(1 + 2·z_loss·lse) loses the z-loss term where p ≈ onehot, e.g. V = 1).
     tgt = tl.load(target_ptr + rows)
     lse = tl.load(lse_ptr + rows)
     g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
-    a = g * (1.0 + 2.0 * z_loss * lse) + tl.load(grad_lse_ptr + rows).to(tl.float32)
-    dz = a[:, None] * tl.exp2((z - lse[:, None]) * LOG2E)
+    c = 2.0 * z_loss * lse * g + tl.load(grad_lse_ptr + rows).to(tl.float32)
     hit = offs_v[None, :] == tgt[:, None]
-    dz -= tl.where(hit, ((1.0 - label_smoothing) * g)[:, None], 0.0)
-    dz -= (label_smoothing / V) * g[:, None]
+    q = tl.exp2((z - lse[:, None]) * LOG2E) - tl.where(hit, 1.0 - label_smoothing, 0.0) - label_smoothing / V
+    dz = (g + c)[:, None] * q + tl.where(hit, (c * (1.0 - label_smoothing))[:, None], 0.0) \
+        + (c * (label_smoothing / V))[:, None]
     if HAS_SOFTCAP:
         dz *= 1.0 - t * t
     dz *= logit_scale
