@@ -199,3 +199,13 @@ def test_string_backend_with_mode_and_options():
     disabled = torch.compile(fn, backend="inductor_xent", options={"xent.inner": "aot_eager", "xent.enable": False})
     torch.testing.assert_close(disabled(**ins), fn(**ins))
     assert counters["inductor_xent"]["sites_fused"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["z_loss", "lse_keepdim", "weight_dv", "one_hot"])
+def test_inductor_cpu_spellings(name):
+    """Real Inductor on the spellings whose rewrite is least like HF's: the op's lse output feeding
+    a z-loss (its gradient flows through our backward), keepdim/cast lse, a [D, V] weight view."""
+    fn, _ = SPELLINGS[name]
+    assert_parity(fn, make_inputs(), "inductor_xent", what=f"inductor {name}")
+    assert counters["inductor_xent"]["sites_fused"] == 1
