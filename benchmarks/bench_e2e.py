@@ -34,20 +34,11 @@ def run_backend(backend, base_model, loss_of, shape, device, warmup, steps) -> d
     times, peaks, losses = [], [], []
     batch_list = list(demo.batches(shape, device, 2))
     for i in demo.progress(range(warmup + steps), warmup + steps, f"{backend:>13}"):
-        batch = batch_list[i % 2]
-        with demo.PeakMemory(device) as mem:
-            t0 = time.perf_counter()
-            loss = compiled(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-        losses.append(loss.item())
+        loss, seconds, peak = demo.timed_step(compiled, batch_list[i % 2], opt, device)
+        losses.append(loss)
         if i >= warmup:
-            times.append(dt)
-            peaks.append(mem.peak)
+            times.append(seconds)
+            peaks.append(peak)
     return {"backend": backend, "step_ms": 1e3 * statistics.median(times), "peak_mib": max(peaks) / 2**20,
             "losses": losses}
 
@@ -72,7 +63,7 @@ def main(argv=None) -> int:
     meta = {
         "model": name, "tokens": tokens, "dtype": str(shape["dtype"]), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "date": time.strftime("%Y-%m-%d"), "bf16_logits_mib": tokens * shape["vocab"] * 2 / 2**20,
+        "date": time.strftime("%Y-%m-%d"), "logits_mib": tokens * shape["vocab"] * shape["dtype"].itemsize / 2**20,
     }
     try:
         import triton
@@ -87,7 +78,8 @@ def main(argv=None) -> int:
     for r in results:
         print(f"| {r['backend']} | {r['step_ms']:.1f} | {r['peak_mib']:.0f} |")
     print(f"step time ratio {ours['step_ms'] / ref['step_ms']:.3f}; "
-          f"peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB (bf16 logits: {meta['bf16_logits_mib']:.0f} MiB); "
+          f"peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB "
+          f"(logits in {shape['dtype']}: {meta['logits_mib']:.0f} MiB); "
           f"losses step 0: {ref['losses'][0]:.5f} vs {ours['losses'][0]:.5f}")
     if args.out:
         import os

@@ -146,19 +146,26 @@ def train(backend: str, base_model, loss_of, shape, device, steps) -> Run:
     compiled = torch.compile(lambda batch: loss_of(model, batch), backend=backend)
     run = Run(backend)
     for i, batch in progress(enumerate(batches(shape, device, steps)), steps, f"{backend:>13}: compile + train"):
-        with PeakMemory(device) as mem:
-            t0 = time.perf_counter()
-            loss = compiled(batch)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-            if device == "cuda":
-                torch.cuda.synchronize()
-            run.step_s.append(time.perf_counter() - t0)
+        loss, seconds, peak = timed_step(compiled, batch, opt, device)
+        run.step_s.append(seconds)
         if i > 0:  # the first step compiles and allocates the gradients: not counted
-            run.peak_bytes.append(mem.peak)
-        run.losses.append(loss.item())
+            run.peak_bytes.append(peak)
+        run.losses.append(loss)
     return run
+
+
+def timed_step(compiled_loss, batch, opt, device) -> tuple[float, float, int]:
+    """One training step: (loss, seconds, peak bytes above the level at its start)."""
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        loss = compiled_loss(batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+    return loss.item(), seconds, mem.peak
 
 
 # ---------------------------------------------------------------------------------------------
