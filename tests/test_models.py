@@ -28,6 +28,9 @@ from .tolerance import assert_within_torch_error  # noqa: E402
 DEVICE = os.environ.get("INDUCTOR_XENT_TEST_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("INDUCTOR_XENT_TEST_DTYPE", "float32"))
 BATCH, SEQ = 2, 12
+# eager-vs-compiled closeness where no float64 reference is taken: the rounding of DTYPE (our op
+# keeps fp32 logits where eager rounds them to DTYPE first)
+LOOSE = 1.0 if DTYPE == torch.float32 else 2e3  # bf16/fp16: ~1e-2 instead of ~1e-5
 
 _COMMON = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                num_key_value_heads=1, max_position_embeddings=64)
@@ -137,7 +140,7 @@ def test_zoo_inference(name):
         eager = loss_fn(model)(ids, labels)
         compiled = torch.compile(loss_fn(model), backend=xent_backend, options={"xent.inner": "aot_eager"})(
             ids, labels)
-    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5 * LOOSE, atol=1e-5 * LOOSE)
     assert counters["inductor_xent"]["sites_fused"] == 1
 
 
@@ -151,7 +154,8 @@ def test_zoo_dynamic_sequence_no_extra_recompiles():
         compiled = torch.compile(loss_fn(model), backend=backend)
         for seq in (12, 10, 8):
             ids = torch.randint(0, ZOO["llama"][1], (BATCH, seq), device=DEVICE)
-            torch.testing.assert_close(compiled(ids, ids), loss_fn(model)(ids, ids), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(compiled(ids, ids), loss_fn(model)(ids, ids), rtol=1e-5 * LOOSE,
+                                       atol=1e-5 * LOOSE)
         frames.append(backend.graphs)
     assert frames[0] == frames[1]
 
@@ -178,9 +182,9 @@ def test_zoo_num_items_in_batch():
     le, ge = _loss_and_grads(model, fn, ids, labels)
     backend = Counting(xent_backend, options={"xent.inner": "aot_eager"})
     lc, gc = _loss_and_grads(model, torch.compile(fn, backend=backend), ids, labels)
-    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lc, le, rtol=1e-5 * LOOSE, atol=1e-6 * LOOSE)
     for k in ge:
-        torch.testing.assert_close(gc[k], ge[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(gc[k], ge[k], rtol=1e-4 * LOOSE, atol=1e-6 * LOOSE)
     assert counters["inductor_xent"]["sites_fused"] == 1 and backend.graphs == 1
 
 
@@ -196,7 +200,7 @@ def test_whole_model_allow_escaping_logits():
         (o.loss + 1e-3 * o.logits.float().square().mean()).backward()
         out.append([o.loss.detach(), o.logits.detach(), *(p.grad for p in model.parameters())])
     for e, c in zip(*out):
-        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(c, e, rtol=1e-4 * LOOSE, atol=1e-5 * LOOSE)
     assert counters["inductor_xent"]["sites_fused"] == 1
 
 
