@@ -67,8 +67,9 @@ def config_patches(mode: Optional[str], inductor_options: dict) -> dict:
 def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
     """The backend: our rewrite on the Dynamo graph (torch IR, before autograd), then ``compile_fx``."""
     ours, theirs = split_options(options)
+    patches = config_patches(mode, theirs)  # validates Inductor's keys whichever inner compiler runs
     if ours["enable"]:
         patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"])
     if ours["inner"] == "aot_eager":
         return compat.aot_eager(gm, example_inputs)
-    return compat.compile_fx(gm, example_inputs, config_patches(mode, theirs))
+    return compat.compile_fx(gm, example_inputs, patches)
