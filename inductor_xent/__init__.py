@@ -9,4 +9,28 @@ from .explain import explain
 from .inductor_pass import install, uninstall
 
 __all__ = ["linear_cross_entropy", "explain", "install", "uninstall"]
+
+
+def _backend(gm, example_inputs, **kwargs):
+    from .backend import inductor_xent
+
+    return inductor_xent(gm, example_inputs, **kwargs)
+
+
+def _register_without_entry_point() -> None:
+    """Make ``backend="inductor_xent"`` work when the package runs from a source tree (PYTHONPATH,
+    no ``pip install``), where its ``torch_dynamo_backends`` entry point does not exist. When the
+    entry point exists Dynamo registers the backend itself, and registering it here as well would
+    trip Dynamo's duplicate-name assertion."""
+    from importlib.metadata import entry_points
+
+    if any(ep.name == "inductor_xent" for ep in entry_points(group="torch_dynamo_backends")):
+        return
+    import torch._dynamo
+
+    if "inductor_xent" not in torch._dynamo.list_backends(exclude_tags=()):
+        torch._dynamo.register_backend(compiler_fn=_backend, name="inductor_xent")
+
+
+_register_without_entry_point()
 __version__ = "0.1.0"
