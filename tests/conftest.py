@@ -1,6 +1,7 @@
 """Shared fixtures."""
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -10,3 +11,17 @@ def small_chunks(monkeypatch):
 
     monkeypatch.setattr(config, "fallback_chunk_bytes", 256)
     return config
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each compile test starts and ends with a fresh Dynamo, empty counters and no install()."""
+    from torch._dynamo.utils import counters
+
+    import inductor_xent
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    inductor_xent.uninstall()

@@ -16,14 +16,7 @@ from inductor_xent import inductor_pass as install
 
 from .test_patterns import OP, SPELLINGS, Recorder, assert_parity, leaves, make_inputs
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    inductor_xent.uninstall()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def test_entry_point_registers_backend():

@@ -25,6 +25,8 @@ from inductor_xent.backend import inductor_xent as xent_backend  # noqa: E402
 
 from .tolerance import assert_within_torch_error  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 DEVICE = os.environ.get("INDUCTOR_XENT_TEST_DEVICE", "cpu")
 DTYPE = getattr(torch, os.environ.get("INDUCTOR_XENT_TEST_DTYPE", "float32"))
 BATCH, SEQ = 2, 12
@@ -53,14 +55,6 @@ ZOO = {
     "gemma3": (lambda v: transformers.Gemma3TextConfig(vocab_size=v, head_dim=16, final_logit_softcapping=30.0,
                                                         **_COMMON), 137),
 }
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def build(name: str, dtype=DTYPE, seed: int = 0):

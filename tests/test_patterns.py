@@ -22,19 +22,13 @@ from inductor_xent.backend import inductor_xent as xent_backend
 
 from .tolerance import assert_within_torch_error
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 V, D, B, T = 37, 16, 2, 7
 OP = torch.ops.inductor_xent.linear_ce_fwd.default
 SOURCE_TARGETS = {F.cross_entropy, F.nll_loss, torch._C._nn.linear, operator.matmul, torch.matmul, torch.mm,
                   torch.logsumexp, F.log_softmax}
 SOURCE_METHODS = {"log_softmax", "gather", "logsumexp"}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def make_inputs(dtype=torch.float32, seed=0, batch=B):
