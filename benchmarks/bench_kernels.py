@@ -36,6 +36,10 @@ from shapes import DATA, IGNORE_INDEX, SHAPES, make_data  # noqa: E402
 
 METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "cce", "ours")
 MiB = 2**20
+# --scan: time and memory against V (N, D fixed at llama3-8b's) and against N (D, V fixed); gauss data
+SCAN_V = (32000, 50257, 128256, 256000)
+SCAN_N = (2048, 4096, 8192, 16384)
+SCAN_METHODS = "cublas,eager,ours"  # compiled methods would recompile at every point
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,6 +350,55 @@ def plot(rows, info, path):
     fig.savefig(path, dpi=110)
 
 
+def scan_shapes() -> dict:
+    """{name: Shape} of the --scan points: V varies at N=8192, D=4096; N varies at D=4096, V=128256."""
+    from shapes import Shape
+
+    base = SHAPES["llama3-8b"]
+    points = {f"V={v}": Shape(base.n, base.d, v) for v in SCAN_V}
+    points.update({f"N={n}": Shape(n, base.d, base.v) for n in SCAN_N if n != base.n})
+    return points
+
+
+def plot_scan(rows, info, path):
+    """Lines of fwd+bwd ms and extra MiB against V and against N, one line per method."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    base = SHAPES["llama3-8b"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for col, (axis, fixed) in enumerate((("v", ("n", base.n)), ("n", ("v", base.v)))):
+        for row_i, (key, label) in enumerate((("fwdbwd_ms", "forward+backward ms"), ("extra_mib", "extra peak MiB"))):
+            ax = axes[row_i][col]
+            for m in METHODS:
+                pts = sorted((r[axis], r[key]) for r in rows
+                             if r["method"] == m and r.get(key) is not None and r[fixed[0]] == fixed[1])
+                if pts:  # one color per method in every panel
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m,
+                            color=plt.cm.tab10(METHODS.index(m)))
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(f"{axis.upper()} ({fixed[0].upper()}={fixed[1]}, D={base.d})")
+            ax.set_ylabel(label)
+            ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"{info['gpu']} · torch {info['torch']} · triton {info['triton']} · {info['date']} · bf16, gauss")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def progress(items, desc):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(items, desc=desc, file=sys.stderr)
+    except ImportError:
+        return items
+
+
 # ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
@@ -359,9 +412,18 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="time the kernel configs instead")
     p.add_argument("--configs", default="", help="--sweep: config names from templates/configs.py")
     p.add_argument("--profile", action="store_true", help="profile our fwd+bwd through the op instead")
+    p.add_argument("--scan", action="store_true",
+                   help=f"time and memory against V and N (methods default {SCAN_METHODS}); plots bench_scan.png")
     args = p.parse_args(argv)
+    if args.scan and args.methods == p.get_default("methods"):
+        args.methods = SCAN_METHODS
+    unknown = [m for m in args.methods.split(",") if m not in METHODS]
+    if unknown:
+        p.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if not torch.cuda.is_available():
-        print("bench kernels needs a CUDA GPU", file=sys.stderr)
+        print("bench kernels times GPU kernels (cuBLAS, Triton, the peers) and torch sees no CUDA device. "
+              "On a CPU, `python3 benchmarks/cpu_fallback.py` measures the chunked PyTorch path against eager, "
+              "and `python -m inductor_xent demo` trains a small model with both backends.", file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -375,34 +437,42 @@ def main(argv=None):
     info = env_info()
     print(json.dumps(info), flush=True)
     rows = []
-    for shape_name in shapes:
-        shape = SHAPES[shape_name]
-        for data in args.data.split(","):
-            h, w, t = make_data(shape, data)
-            ref = reference(h, w, t)
-            for method in args.methods.split(","):
-                row = {"shape": shape_name, "data": data, "method": method}
-                try:
-                    if method == "cublas":
-                        row.update(measure_cublas(h, w, t, args.quick))
-                    else:
-                        row.update(measure(method, build(method), h, w, t, ref, args.quick))
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
-                    traceback.print_exc(limit=2)
-                flops = shape.n * shape.d * shape.v
-                if "fwd_ms" in row:
-                    row["fwd_tflops"] = 2 * flops / row["fwd_ms"] / 1e9
-                if "fwdbwd_ms" in row:
-                    row["fwdbwd_tflops"] = 8 * flops / row["fwdbwd_ms"] / 1e9
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                torch.cuda.empty_cache()
-            del h, w, t, ref
+    shape_table = scan_shapes() if args.scan else SHAPES
+    if args.scan:
+        shapes, args.data = list(shape_table), "gauss"
+    unknown = [s for s in shapes if s not in shape_table]
+    if unknown:
+        p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(shape_table)}")
+    bar = progress([(s, d) for s in shapes for d in args.data.split(",")], "bench kernels")
+    for shape_name, data in bar:
+        shape = shape_table[shape_name]
+        h, w, t = make_data(shape, data)
+        ref = reference(h, w, t)
+        for method in args.methods.split(","):
+            row = {"shape": shape_name, "data": data, "method": method,
+                   "n": shape.n, "d": shape.d, "v": shape.v}
+            try:
+                if method == "cublas":
+                    row.update(measure_cublas(h, w, t, args.quick))
+                else:
+                    row.update(measure(method, build(method), h, w, t, ref, args.quick))
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
+                traceback.print_exc(limit=2)
+            flops = shape.n * shape.d * shape.v
+            if "fwd_ms" in row:
+                row["fwd_tflops"] = 2 * flops / row["fwd_ms"] / 1e9
+            if "fwdbwd_ms" in row:
+                row["fwdbwd_tflops"] = 8 * flops / row["fwdbwd_ms"] / 1e9
+            print(json.dumps(row), flush=True)
+            rows.append(row)
             torch.cuda.empty_cache()
+        del h, w, t, ref
+        torch.cuda.empty_cache()
     info["kernels"] = kernel_stats()
-    (out / "bench_kernels.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
-    plot(rows, info, out / "bench_kernels.png")
+    stem = "bench_scan" if args.scan else "bench_kernels"
+    (out / f"{stem}.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    (plot_scan if args.scan else plot)(rows, info, out / f"{stem}.png")
     print(json.dumps(info["kernels"]))
     print(markdown(rows, info))
     return 0
