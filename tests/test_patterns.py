@@ -363,6 +363,9 @@ DECLINES = {
         F.one_hot(yv, V) * F.log_softmax(F.linear(x, W), -1)).sum(-1, keepdim=True).mean(), "without keepdim"),
     "legacy_reduce": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         F.linear(x, W).view(-1, V), y.view(-1), size_average=True), "legacy"),
+    # one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets
+    "one_hot_broadcast": (lambda x, W, Wdv, b, y, yv, n: -(
+        F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean(), "broadcast"),
 }
 
 
@@ -394,6 +397,29 @@ def test_declines_with_reason(name):
     report = inductor_xent.explain(fn, **make_inputs())
     assert [s.fused for s in report.sites] == [False]
     assert words in report.sites[0].reason, report.sites[0].reason
+
+
+def test_inplace_update_through_a_view_declines():
+    """The op reads the hidden states where the loss is: an in-place update of a view of them in
+    between (here of the buffer behind ``h.view``) must keep the site unfused. Forward only: eager
+    autograd refuses the mutation of a saved tensor anyway."""
+
+    def fn(x, W, y):
+        h = x.detach().clone()
+        logits = F.linear(h.view(-1, D), W)
+        h.mul_(3)
+        return F.cross_entropy(logits, y.view(-1))
+
+    inputs = make_inputs()
+    args = (inputs["x"], inputs["W"], inputs["y"])
+    with torch.no_grad():
+        want = fn(*args)
+        got = torch.compile(fn, backend=xent_backend, options={"xent.inner": "aot_eager"})(*args)
+    torch.testing.assert_close(got, want)
+    assert counters["inductor_xent"]["sites_fused"] == 0
+    assert counters["inductor_xent"]["sites_declined"] == 1
+    report = inductor_xent.explain(fn, *args)
+    assert "in-place update" in report.sites[0].reason, report.sites[0].reason
 
 
 def test_returned_logits_decline_then_fuse_when_allowed():

@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 
 from .. import config, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
 from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
-from ._fx import Emitter, hint, tval
+from ._fx import Emitter, hint, same, tval
 from ._site import NO_IGNORE, Decline, LossSite
 
 log = logging.getLogger(__name__)
@@ -189,6 +189,13 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     devices = {t.device for t in (tx, tw, tt, tb) if t is not None}
     if len(devices) != 1 or next(iter(devices)).type not in SUPPORTED_DEVICES:
         return f"unsupported device(s) {sorted(map(str, devices))}"
+    tz = tval(site.logits)
+    rows = 1
+    for size in tz.shape[:-1]:
+        rows = rows * size
+    if not same(tt.numel(), rows):
+        return (f"the targets {tuple(tt.shape)} do not give one class id per row of the logits "
+                f"{tuple(tz.shape)}")
     out_dtype = tval(site.loss).dtype
     if out_dtype == torch.float64 and tx.dtype != torch.float64:
         return "float64 loss of lower-precision logits: the op would compute in float32"
@@ -244,7 +251,8 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
         n = stack.pop()
         if n in late:
             continue
-        if n.op not in ("call_function", "call_method") or n.is_impure() or n is anchor or len(late) > 32:
+        if (n.op not in ("call_function", "call_method") or n.is_impure() or _is_inplace(n) or n is anchor
+                or len(late) > 32):
             return None
         late.add(n)
         stack.extend(m for m in n.all_input_nodes if order[m] >= order[anchor])
@@ -260,17 +268,35 @@ def _unsafe_between(gm, order, chain: _logits.Logits, anchor: Node) -> Optional[
     lm_head only) in between."""
     watched = {chain.hidden, chain.weight, chain.bias} - {None}
     lo, hi = order[chain.matmul], order[anchor]
+    storages = [_storage(w) for w in watched]
     for n in gm.graph.nodes:
         if not lo < order[n] < hi:
             continue
         if n.op == "call_function" and n.target in _GRAD_MODE:
             return "the grad mode changes between the lm_head matmul and the loss"
-        if n.args and isinstance(n.args[0], Node) and n.args[0] in watched:
-            name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-            if isinstance(name, str) and ((name.endswith("_") and not name.endswith("__")) or name in (
-                    "setitem", "iadd", "imul", "isub", "itruediv")):
+        if _is_inplace(n) and n.args and isinstance(n.args[0], Node):
+            # the op reads hidden/weight/bias at the loss: an update of any alias of them (a view
+            # updated in place) in between would change what it reads
+            mutated = _storage(n.args[0])
+            if n.args[0] in watched or mutated is None or None in storages or any(
+                    mutated is st for st in storages):
                 return "an in-place update of the hidden states or weight between the matmul and the loss"
     return None
+
+
+def _is_inplace(n: Node) -> bool:
+    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
+    return isinstance(name, str) and ((name.endswith("_") and not name.endswith("__")) or name in (
+        "setitem", "iadd", "imul", "isub", "itruediv"))
+
+
+def _storage(node: Node):
+    """The untyped storage of a node's example value (views share it), or None when unknown."""
+    t = tval(node)
+    try:
+        return None if t is None else t.untyped_storage()
+    except Exception:  # noqa: BLE001 - e.g. a tensor subclass without storage
+        return None
 
 
 def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set) -> int:

@@ -55,4 +55,9 @@ def match(node: Node):
     reason = integer_target(y)
     if reason:
         return Decline(PATTERN, node, logits=ls[0], reason=reason)
+    ty = tval(y)
+    if ty.dim() != tl.dim() - 1 or not all(same(a, b) for a, b in zip(ty.shape, tl.shape[:-1])):
+        # one_hot(y) * lp broadcasts: a row of lp may meet another row's target (or several)
+        reason = f"the one-hot targets {tuple(ty.shape)} broadcast against the log-probs {tuple(tl.shape)}"
+        return Decline(PATTERN, node, logits=ls[0], reason=reason)
     return LossSite(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, negate=True)
