@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 
 from . import ops  # noqa: F401  (registers torch.ops.inductor_xent)
+from .options import FLOAT_DTYPES
 
 _REDUCTIONS = ("mean", "sum", "none")
-_FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def linear_cross_entropy(
@@ -70,7 +70,7 @@ def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_sc
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if bias is not None and not isinstance(bias, Tensor):
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
-    if hidden.dtype not in _FLOAT_DTYPES:
+    if hidden.dtype not in FLOAT_DTYPES:
         raise TypeError(f"hidden must be float64, float32, bfloat16 or float16, got {hidden.dtype}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and t.dtype != hidden.dtype:

@@ -21,8 +21,10 @@ def impl() -> str:
     """``INDUCTOR_XENT_IMPL``: which implementation runs behind the op.
 
     ``auto`` (default): Triton kernels for CUDA tensors of bf16/fp16/fp32, the chunked PyTorch path
-    otherwise. ``triton``: the Triton kernels always; on CPU tensors they run under
-    ``TRITON_INTERPRET=1`` (slow; for tests). ``reference``: the chunked PyTorch path always.
+    otherwise. ``triton``: the Triton kernels for every bf16/fp16/fp32 input; on CPU tensors they
+    run under ``TRITON_INTERPRET=1`` (slow; for tests); float64 inputs still take the chunked
+    path. ``reference``: the chunked PyTorch path (``fallback.py``) always; the materialising
+    oracle ``reference.py`` is for tests only and is never selected here.
     """
     value = os.environ.get("INDUCTOR_XENT_IMPL", "auto").strip().lower() or "auto"
     if value not in IMPLS:

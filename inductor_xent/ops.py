@@ -21,16 +21,14 @@ import torch
 from torch import Tensor
 
 from . import config, fallback
-from .options import LossOptions
+from .options import KERNEL_DTYPES, LossOptions
 from .reference import compute_dtype
-
-_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def use_triton(hidden: Tensor) -> bool:
     """Which implementation runs for these inputs (see ``config.impl``)."""
     mode = config.impl()
-    if mode == "reference" or hidden.dtype not in _TRITON_DTYPES:
+    if mode == "reference" or hidden.dtype not in KERNEL_DTYPES:
         return False
     if mode == "triton":
         return True

@@ -1,8 +1,14 @@
-"""The scalar options of the loss, shared by every implementation (reference, fallback, Triton)."""
+"""The loss's scalar options and the dtypes it takes, shared by every implementation."""
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
+
+import torch
+
+# what the op accepts, and what the Triton kernels take (float64 always runs the chunked path)
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class LossOptions(NamedTuple):

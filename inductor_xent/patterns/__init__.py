@@ -26,6 +26,7 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from .. import config, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
+from ..options import FLOAT_DTYPES
 from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
 from ._fx import Emitter, hint, same, tval
 from ._site import NO_IGNORE, Decline, LossSite
@@ -33,7 +34,6 @@ from ._site import NO_IGNORE, Decline, LossSite
 log = logging.getLogger(__name__)
 
 IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gather)
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 SUPPORTED_DEVICES = ("cpu", "cuda")
 ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"
 ESCAPE_HINT = (
@@ -182,7 +182,7 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
         return autocast
     tx, tw, tt = tval(chain.hidden), tval(chain.weight), tval(site.target)
     tb = tval(chain.bias) if chain.bias is not None else None
-    if tx.dtype not in SUPPORTED_DTYPES:
+    if tx.dtype not in FLOAT_DTYPES:
         return f"unsupported hidden dtype {tx.dtype}"
     if tw.dtype != tx.dtype or (tb is not None and tb.dtype != tx.dtype):
         return f"mixed dtypes: hidden {tx.dtype}, weight {tw.dtype}, bias {None if tb is None else tb.dtype}"
@@ -352,9 +352,10 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
 
     # erase what became dead (and only that: escaping logits stay for their other users)
     candidates = [site.loss, *plan["lse_users"], *site.consumed, *site.aux, *reversed(chain.nodes)]
-    if not chain.weight_is_vd or chain.matmul.args[1:2] != (chain.weight,):
-        if len(chain.matmul.args) > 1 and isinstance(chain.matmul.args[1], Node):
-            candidates.append(chain.matmul.args[1])
+    # the matmul's own operand nodes (e.g. ``W.t()``, whatever the argument order: einsum puts the
+    # equation first); each is erased only if nothing else uses it
+    keep = {chain.hidden, chain.weight, chain.bias}
+    candidates.extend(a for a in chain.matmul.all_input_nodes if a not in keep)
     avoided = 0
     n_rows_v = _numel_hint(tval(chain.matmul))
     changed = True

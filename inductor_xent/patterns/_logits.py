@@ -39,7 +39,6 @@ MUL = (operator.mul, torch.mul)
 DIV = (operator.truediv, torch.div, torch.true_divide)
 ADD = (operator.add, torch.add)
 TANH = (torch.tanh,)
-TRANSPOSE_METHODS = ("t", "transpose", "permute")
 
 
 GRAPH_INPUT = (

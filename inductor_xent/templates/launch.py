@@ -16,19 +16,18 @@ import triton
 from torch import Tensor
 
 from .. import config
-from ..options import LossOptions
+from ..options import KERNEL_DTYPES, LossOptions
 from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 COMBINE_BLOCK = 128
 
 
 def unsupported_reason(hidden: Tensor) -> Optional[str]:
     """None when the kernels can run on ``hidden``'s device and dtype, else a one-line reason."""
-    if hidden.dtype not in _DTYPES:
+    if hidden.dtype not in KERNEL_DTYPES:
         return f"dtype {hidden.dtype} is not one of bfloat16, float16, float32"
     if hidden.device.type == "cuda":
         return None
