@@ -8,13 +8,21 @@ from __future__ import annotations
 
 import os
 
-IMPLS = ("auto", "triton", "reference")
+IMPLS = ("auto", "triton", "chunked")
+_IMPL_ALIASES = {"reference": "chunked"}  # the old name, kept with a deprecation warning
 
 # The chunked CPU path holds at most this many bytes of logits per row chunk (plus a few buffers of
 # the same size: softmax/gradient, tanh). Measured at N=4096, D=64, V=32768 fp32 (512 MiB of
 # logits, 2 cores): 16 MiB -> peak RSS growth 111 MiB, 8 MiB -> 55 MiB, 4 MiB -> 23 MiB, at the
 # same speed (0.6x eager's time); 8 MiB keeps each chunk's matmul large (64 rows x V here).
 fallback_chunk_bytes: int = 8 * 2**20
+
+# Defaults of the strategy knobs (inductor_xent/strategy.py); the environment overrides them.
+STRATEGY_DEFAULT = "auto"
+# auto takes ``store`` when its extra memory is at most this: here the size of the [N, V] logits
+# in the input dtype, i.e. what torch.compile holds for the same loss. Store then never holds
+# more than the plain compiled loss would, and is 6·N·D·V FLOPs instead of recompute's 8·N·D·V.
+STORE_BUDGET_DEFAULT = "1x"
 
 
 def impl() -> str:
@@ -23,12 +31,37 @@ def impl() -> str:
     ``auto`` (default): Triton kernels for CUDA tensors of bf16/fp16/fp32, the chunked PyTorch path
     otherwise. ``triton``: the Triton kernels for every bf16/fp16/fp32 input; on CPU tensors they
     run under ``TRITON_INTERPRET=1`` (slow; for tests); float64 inputs still take the chunked
-    path. ``reference``: the chunked PyTorch path (``fallback.py``) always; the materialising
-    oracle ``reference.py`` is for tests only and is never selected here.
+    path. ``chunked``: the chunked PyTorch path (``fallback.py``) always. ``reference`` is the old
+    name of ``chunked`` (deprecated: it never meant the test oracle ``reference.py``).
     """
     value = os.environ.get("INDUCTOR_XENT_IMPL", "auto").strip().lower() or "auto"
+    if value in _IMPL_ALIASES:
+        import warnings
+
+        new = _IMPL_ALIASES[value]
+        warnings.warn(f"INDUCTOR_XENT_IMPL={value} is deprecated; use INDUCTOR_XENT_IMPL={new} (the same chunked "
+                      "PyTorch path)", DeprecationWarning, stacklevel=2)
+        value = new
     if value not in IMPLS:
         raise ValueError(f"INDUCTOR_XENT_IMPL={value!r}; expected one of {', '.join(IMPLS)}")
+    return value
+
+
+def strategy() -> str:
+    """``INDUCTOR_XENT_STRATEGY``: ``auto`` (default) | ``recompute`` | ``store`` (strategy.py)."""
+    value = os.environ.get("INDUCTOR_XENT_STRATEGY", STRATEGY_DEFAULT).strip().lower() or STRATEGY_DEFAULT
+    from .strategy import check_strategy
+
+    return check_strategy(value)
+
+
+def store_budget() -> str:
+    """``INDUCTOR_XENT_STORE_BUDGET``: how much extra memory ``auto`` lets ``store`` hold: bytes
+    (``2GiB``, ``512MiB``, ``1073741824``) or a fraction of the logits (``0.5x``); default ``1x``."""
+    value = os.environ.get("INDUCTOR_XENT_STORE_BUDGET", STORE_BUDGET_DEFAULT).strip() or STORE_BUDGET_DEFAULT
+    from .strategy import parse_budget
+
+    parse_budget(value)  # a clear error for a malformed value, where it is read
     return value
 
 

@@ -9,6 +9,12 @@ import torch
 # what the op accepts, and what the Triton kernels take (float64 always runs the chunked path)
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every lower precision accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class LossOptions(NamedTuple):

@@ -12,12 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .options import LossOptions
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; every lower precision accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from .options import LossOptions, compute_dtype
 
 
 def logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], opts: LossOptions) -> Tensor:

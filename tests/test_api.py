@@ -35,6 +35,9 @@ Y = torch.tensor([1, 2, 3, -100, 9, 0])
         (dict(weight=torch.randn(0, 4)), ValueError, "the vocabulary V must be at least 1"),
         (dict(target=torch.tensor([1, 2, 10, -100, 9, 0])), ValueError, "target values [10] are outside [0, 10) and are not ignore_index=-100"),
         (dict(target=torch.tensor([1, -5, 3, -100, 9, 0])), ValueError, "target values [-5] are outside [0, 10)"),
+        (dict(strategy="fast"), ValueError, "strategy must be one of 'auto', 'recompute', 'store', got 'fast'"),
+        (dict(store_budget=-1), ValueError, "store budget -1 must be a finite number >= 0"),
+        (dict(store_budget="lots"), ValueError, "store budget 'lots': expected bytes (e.g. 2147483648, '2GiB', '512MiB')"),
     ],
 )
 def test_errors_name_the_values(kwargs, error, message):
@@ -73,7 +76,49 @@ def test_all_ignored_like_pytorch(reduction):
 
 def test_impl_env_var(monkeypatch):
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", "fast")
-    with pytest.raises(ValueError, match=re.escape("INDUCTOR_XENT_IMPL='fast'; expected one of auto, triton, reference")):
+    with pytest.raises(ValueError, match=re.escape("INDUCTOR_XENT_IMPL='fast'; expected one of auto, triton, chunked")):
         inductor_xent.linear_cross_entropy(H, W, Y)
-    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "reference")
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "chunked")
     torch.testing.assert_close(inductor_xent.linear_cross_entropy(H, W, Y), F.cross_entropy(H @ W.T, Y))
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "reference")  # the old name: same path, and a deprecation warning
+    with pytest.warns(DeprecationWarning, match="INDUCTOR_XENT_IMPL=chunked"):
+        torch.testing.assert_close(inductor_xent.linear_cross_entropy(H, W, Y), F.cross_entropy(H @ W.T, Y))
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("INDUCTOR_XENT_STRATEGY", "fastest", "strategy must be one of 'auto', 'recompute', 'store', got 'fastest'"),
+    ("INDUCTOR_XENT_STORE_BUDGET", "-2GiB", "store budget '-2GiB' must be a finite number >= 0"),
+])
+def test_strategy_env_errors(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        inductor_xent.linear_cross_entropy(H.requires_grad_(), W, Y)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "recompute", "store"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_strategies_agree(strategy, reduction):
+    """Every strategy gives the same loss and gradients (store falls back to recompute for 'none')."""
+    h = torch.randn(6, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+    got = inductor_xent.linear_cross_entropy(h, w, Y, reduction=reduction, z_loss=1e-3, strategy=strategy)
+    want = F.cross_entropy(F.linear(h, w), Y, reduction=reduction) + (
+        1e-3 * torch.where(Y != -100, torch.logsumexp(F.linear(h, w), -1) ** 2, 0.0)).__getattribute__(
+        {"mean": "sum", "sum": "sum", "none": "clone"}[reduction])() / ({"mean": 5, "sum": 1, "none": 1}[reduction])
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (h, w)), torch.autograd.grad(want.sum(), (h, w))):
+        torch.testing.assert_close(a, b)
+
+
+def test_budget_too_small_falls_back_to_recompute():
+    from inductor_xent import strategy
+
+    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                         needs=(True, True, False), strategy="auto", budget="16MiB")
+    assert plan.strategy == "recompute" and "over the budget of 16 MiB" in plan.reason
+    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                         needs=(True, True, False), strategy="auto", budget="4GiB")
+    assert plan.strategy == "store" and plan.extra_bytes <= 4 * 2**30
+    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="none",
+                         needs=(True, True, False), strategy="store")
+    assert plan.strategy == "recompute" and "reduction='none'" in plan.reason
