@@ -34,7 +34,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import DATA, IGNORE_INDEX, SHAPES, make_data  # noqa: E402
 
-METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "cce", "ours")
+# ours: the functional API with strategy auto; ours_recompute / ours_store: each strategy forced;
+# ours_compiled: the product path, torch.compile(..., backend="inductor_xent") of the eager spelling
+METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "cce", "ours", "ours_recompute", "ours_store",
+           "ours_compiled")
+OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled")
 MiB = 2**20
 # --scan: time and memory against V (N, D fixed at llama3-8b's) and against N (D, V fixed); gauss data
 SCAN_V = (32000, 50257, 128256, 256000)
@@ -51,6 +55,21 @@ def _eager(h, w, t):
 
 def _eager_chunker(h, w, t):  # its own code object: its compiled graphs don't mix with "compile"'s
     return _eager(h, w, t)
+
+
+def _eager_ours(h, w, t):  # likewise, for backend="inductor_xent"
+    return _eager(h, w, t)
+
+
+def strategy_of(name, h, w):
+    """The strategy ``auto`` takes for these inputs (what "ours" and "ours_compiled" run)."""
+    from inductor_xent import strategy
+
+    if name in ("ours_recompute", "ours_store"):
+        return name[5:]
+    p = strategy.plan(h.shape[0], h.shape[1], w.shape[0], h.dtype, w.dtype, reduction="mean",
+                      needs=(True, True, False))
+    return p.describe()
 
 
 _BUILT = {}
@@ -87,11 +106,14 @@ def _build(name):
         from cut_cross_entropy import linear_cross_entropy
 
         return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
-    if name == "ours":
+    if name in OURS:
         os.environ.setdefault("INDUCTOR_XENT_IMPL", "auto")
         from inductor_xent import linear_cross_entropy
 
-        return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+        if name == "ours_compiled":
+            return torch.compile(_eager_ours, backend="inductor_xent", dynamic=False)
+        which = {"ours": None, "ours_recompute": "recompute", "ours_store": "store"}[name]
+        return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX, strategy=which)
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
 
 
@@ -156,7 +178,8 @@ def measure(name, fn, h, w, t, ref, quick):
     # time
     row["fwd_ms"] = bench_ms(lambda: fn(hr, wr, t), quick, False)
     row["fwdbwd_ms"] = bench_ms(lambda: torch.autograd.grad(fn(hr, wr, t), (hr, wr)), quick, True)
-    if name == "ours":
+    if name in OURS:
+        row["strategy"] = strategy_of(name, h, w)
         with torch.no_grad():
             row["inf_fwd_ms"] = bench_ms(lambda: fn(h, w, t), quick, False)
     return row
@@ -167,7 +190,10 @@ def kernel_stats():
     from inductor_xent.templates import backward, forward
 
     stats = {}
-    for kern in (forward.lce_fwd_kernel, backward.lce_dlogits_kernel, backward.lce_acc_mm_kernel):
+    from inductor_xent.templates import store
+
+    for kern in (forward.lce_fwd_kernel, backward.lce_dlogits_kernel, backward.lce_acc_mm_kernel,
+                 store.lce_store_dz_kernel):
         for cache in getattr(kern, "device_caches", {}).values():
             for i, compiled in enumerate(cache[0].values()):
                 entry = {"n_regs": compiled.n_regs, "n_spills": compiled.n_spills,
@@ -189,17 +215,17 @@ def time_config(cfg, h, w, t, quick):
 
     o, n = LossOptions(), h.shape[0]
     gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
-    _, lse = launch.forward(h, w, None, t, o, cfg=cfg)
+    _, lse, lo = launch.forward(h, w, None, t, o, cfg=cfg)
     # agreement with the default config (a config must compute the same function)
-    _, lse0 = launch.forward(h, w, None, t, o)
-    grads = launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False), cfg=cfg)
-    grads0 = launch.backward(gl, gs, h, w, None, t, lse0, o, (True, True, False))
+    _, lse0, lo0 = launch.forward(h, w, None, t, o)
+    grads = launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False), cfg=cfg)
+    grads0 = launch.backward(gl, gs, h, w, None, t, lse0, lo0, o, (True, True, False))
     diff = {"diff_lse": rel_err(lse, lse0), "diff_dH": rel_err(grads[0], grads0[0]),
             "diff_dW": rel_err(grads[1], grads0[1])}
     del grads, grads0
     return diff | {
         "fwd_ms": bench_ms(lambda: launch.forward(h, w, None, t, o, cfg=cfg), quick, False),
-        "bwd_ms": bench_ms(lambda: launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False), cfg=cfg),
+        "bwd_ms": bench_ms(lambda: launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False), cfg=cfg),
                            quick, True),
     }
 
@@ -213,12 +239,13 @@ def profile_kernels(h, w, t):
 
     o, n = LossOptions(), h.shape[0]
     gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
-    _, lse = launch.forward(h, w, None, t, o)
-    launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False))
+    _, lse, lo = launch.forward(h, w, None, t, o)
+    launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         launch.forward(h, w, None, t, o)
-        launch.backward(gl, gs, h, w, None, t, lse, o, (True, True, False))
+        launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False))
+        launch.store(h, w, None, t, o, "mean", h.shape[0] // 2, (True, True, False))
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 
@@ -306,20 +333,20 @@ def markdown(rows, info):
         "reference (TF32 off).",
         "",
         "| shape | data | method | fwd ms | inf fwd ms | fwd+bwd ms | extra MiB | err loss | err dH | err dW "
-        "| fwd TFLOP/s | fwd+bwd TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fwd TFLOP/s | fwd+bwd TFLOP/s | strategy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['shape']} | {r['data']} | {r['method']} | failed: {r['error'][:80]} "
-                         "| | | | | | | | |")
+                         "| | | | | | | | | |")
             continue
         lines.append(
             f"| {r['shape']} | {r['data']} | {r['method']} | {fmt(r.get('fwd_ms'), '.2f')} "
             f"| {fmt(r.get('inf_fwd_ms'), '.2f')} | {fmt(r.get('fwdbwd_ms'), '.2f')} "
             f"| {fmt(r.get('extra_mib'), '.0f')} | {fmt(r.get('err_loss'), '.1e')} "
             f"| {fmt(r.get('err_grad_hidden'), '.1e')} | {fmt(r.get('err_grad_weight'), '.1e')} "
-            f"| {fmt(r.get('fwd_tflops'), '.0f')} | {fmt(r.get('fwdbwd_tflops'), '.0f')} |"
+            f"| {fmt(r.get('fwd_tflops'), '.0f')} | {fmt(r.get('fwdbwd_tflops'), '.0f')} | {r.get('strategy', '')} |"
         )
     return "\n".join(lines)
 
@@ -348,6 +375,87 @@ def plot(rows, info, path):
     fig.suptitle(f"{info['gpu']} · torch {info['torch']} · triton {info['triton']} · {info['date']} · bf16")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot_pareto(rows, info, path):
+    """Time against extra memory, one point per method (strategies included), one panel per shape
+    and data set; the Pareto front (no other point both faster and leaner) joined by a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    groups = sorted({(r["shape"], r["data"]) for r in rows if r.get("extra_mib") is not None})
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.8), squeeze=False)
+    for ax, g in zip(axes[0], groups):
+        pts = [(max(r["extra_mib"], 1.0), r["fwdbwd_ms"], r["method"]) for r in rows
+               if (r["shape"], r["data"]) == g and r.get("extra_mib") is not None and r.get("fwdbwd_ms")]
+        for x, y, m in pts:
+            ax.scatter([x], [y], color=plt.cm.tab10(METHODS.index(m) % 10), label=m, zorder=3)
+            ax.annotate(m, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        front, best = [], float("inf")
+        for x, y, _ in sorted(pts):
+            if y < best:
+                front.append((x, y))
+                best = y
+        ax.plot([x for x, _ in front], [y for _, y in front], color="gray", ls="--", lw=1, zorder=2)
+        ax.set_xscale("log")
+        ax.set_xlabel("extra peak MiB (log)")
+        ax.set_ylabel("forward+backward ms")
+        ax.set_title(f"{g[0]} · {g[1]}")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"time vs memory · {info['gpu']} · torch {info['torch']} · triton {info['triton']} · "
+                 f"{info['date']} · bf16 (dashed: Pareto front)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def store_options(shapes, quick, out):
+    """The store strategy's weight-gradient accumulation for a bf16 weight, measured: chunks of N,
+    N/2, N/4, N/8 rows, each with the accumulation in bf16 (one rounding per chunk) and in an fp32
+    accumulator; time, extra memory and gradient errors on gauss and zipf."""
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import launch
+
+    rows = []
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        for data in DATA:
+            h, w, t = make_data(shape, data)
+            ref = reference(h, w, t)
+            for div in (1, 2, 4, 8):
+                for acc in (False, True):
+                    row = {"shape": shape_name, "data": data, "chunk_rows": shape.n // div, "fp32_acc": acc}
+
+                    def run(h=h, w=w, t=t, rows=shape.n // div, acc=acc):
+                        return launch.store(h, w, None, t, LossOptions(), "mean", rows, (True, True, False),
+                                            fp32_accumulate=acc)
+
+                    try:
+                        loss, gh, gw, _ = run()
+                        row["err_grad_hidden"], row["err_grad_weight"] = rel_err(gh, ref[1]), rel_err(gw, ref[2])
+                        del loss, gh, gw
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                        base = torch.cuda.memory_allocated()
+                        res = run()
+                        torch.cuda.synchronize()
+                        row["extra_mib"] = (torch.cuda.max_memory_allocated() - base - res[1].nbytes
+                                            - res[2].nbytes) / MiB
+                        del res
+                        row["ms"] = bench_ms(run, quick, False)
+                    except Exception as exc:
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:200]
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+            del h, w, t, ref, run
+            torch.cuda.empty_cache()
+    (out / "store_options.json").write_text(json.dumps(rows, indent=1))
+    return rows
 
 
 def scan_shapes() -> dict:
@@ -412,6 +520,8 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="time the kernel configs instead")
     p.add_argument("--configs", default="", help="--sweep: config names from templates/configs.py")
     p.add_argument("--profile", action="store_true", help="profile our fwd+bwd through the op instead")
+    p.add_argument("--store-options", action="store_true",
+                   help="measure the store strategy's weight-gradient accumulation options instead")
     p.add_argument("--scan", action="store_true",
                    help=f"time and memory against V and N (methods default {SCAN_METHODS}); plots bench_scan.png")
     args = p.parse_args(argv)
@@ -433,6 +543,9 @@ def main(argv=None):
         return 0
     if args.profile:
         profile_op(shapes)
+        return 0
+    if args.store_options:
+        store_options(shapes, args.quick, out)
         return 0
     info = env_info()
     print(json.dumps(info), flush=True)
@@ -473,6 +586,8 @@ def main(argv=None):
     stem = "bench_scan" if args.scan else "bench_kernels"
     (out / f"{stem}.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
     (plot_scan if args.scan else plot)(rows, info, out / f"{stem}.png")
+    if not args.scan:
+        plot_pareto(rows, info, out / "bench_pareto.png")
     print(json.dumps(info["kernels"]))
     print(markdown(rows, info))
     return 0

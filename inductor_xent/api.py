@@ -8,10 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import ops  # noqa: F401  (registers torch.ops.inductor_xent)
-from .options import FLOAT_DTYPES
-
-_REDUCTIONS = ("mean", "sum", "none")
+from . import ops, strategy
+from .options import FLOAT_DTYPES, REDUCTIONS
 
 
 def linear_cross_entropy(
@@ -26,6 +24,8 @@ def linear_cross_entropy(
     logit_scale: float = 1.0,
     softcap: Optional[float] = None,
     z_loss: float = 0.0,
+    strategy: Optional[str] = None,
+    store_budget: Optional[str | int] = None,
 ) -> Tensor:
     """Cross-entropy of a linear layer's output, without materialising the ``[N, V]`` logits.
 
@@ -46,6 +46,14 @@ def linear_cross_entropy(
     none, like PyTorch); ``none`` returns ``target``'s shape. The result is float32 for bfloat16,
     float16 and float32 inputs, float64 for float64 inputs.
 
+    ``strategy`` (default ``INDUCTOR_XENT_STRATEGY``, else ``"auto"``) chooses how the gradients
+    are computed: ``"recompute"`` keeps O(N) statistics and recomputes the logits in the backward
+    (8·N·D·V FLOPs); ``"store"`` computes the gradients of the mean/sum loss in the forward from the
+    same logits, one row chunk at a time, and the backward only scales them (6·N·D·V FLOPs, more
+    memory); ``"auto"`` takes ``store`` when the reduction allows it and its extra memory fits
+    ``store_budget`` (default ``INDUCTOR_XENT_STORE_BUDGET``, else ``"1x"``: the size of the
+    logits in the input dtype; also bytes like ``"2GiB"``). See ``inductor_xent.strategy``.
+
     Targets outside ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` on CPU. On CUDA
     they are not checked (that would need a host synchronisation): such a row gets a finite but
     meaningless loss (its target logit is read as 0) and gradients as if it had no target.
@@ -53,10 +61,17 @@ def linear_cross_entropy(
     _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss)
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1)
-    rows, _ = torch.ops.inductor_xent.linear_ce_fwd(
-        hidden2d, weight, bias, target1d, int(ignore_index), float(label_smoothing),
-        float(logit_scale), None if softcap is None else float(softcap), float(z_loss),
-    )
+    options = (int(ignore_index), float(label_smoothing), float(logit_scale),
+               None if softcap is None else float(softcap), float(z_loss))
+    grad = torch.is_grad_enabled()
+    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
+             grad and bias is not None and bias.requires_grad)
+    which, chunk_rows = _plan(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
+                              float(label_smoothing), softcap, strategy, store_budget)
+    if which == "store":
+        loss, *_ = ops.STORE(hidden2d, weight, bias, target1d, *options, reduction, chunk_rows, *needs)
+        return loss
+    rows, _, _ = ops.FORWARD(hidden2d, weight, bias, target1d, *options)
     if reduction == "none":
         return rows.view(target.shape)
     if reduction == "sum":
@@ -102,8 +117,8 @@ def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_sc
     devices = {t.device for t in (hidden, weight, target, bias) if t is not None}
     if len(devices) > 1:
         raise ValueError(f"hidden, weight, target and bias must be on one device, got {sorted(map(str, devices))}")
-    if reduction not in _REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(map(repr, _REDUCTIONS))}, got {reduction!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if not math.isfinite(logit_scale):
@@ -112,3 +127,21 @@ def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_sc
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
     if not (math.isfinite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+
+
+def _sizes(hidden2d, weight):
+    """(N, D, V) as ints for planning. Under torch.compile N is None (planned as
+    strategy.DYNAMIC_ROWS): a dynamic N must neither be guarded nor cause recompiles, and Dynamo
+    shows a SymInt to the traced code as an int, so the two cannot be told apart there. D and V
+    are parameters' sizes (static; a dynamic one is specialised)."""
+    compiling = torch.compiler.is_compiling()
+    return None if compiling else hidden2d.shape[0], int(weight.shape[1]), int(weight.shape[0])
+
+
+@torch.compiler.assume_constant_result
+def _plan(n, d, v, dtype, weight_dtype, reduction, needs, label_smoothing, softcap, which, budget):
+    """(strategy, chunk rows) of ``strategy.plan``; under torch.compile Dynamo runs it once while
+    tracing and keeps the result as a constant (its arguments are all Python constants)."""
+    p = strategy.plan(n, d, v, dtype, weight_dtype, reduction=reduction, needs=needs,
+                      label_smoothing=label_smoothing, softcap=softcap, strategy=which, budget=budget)
+    return p.strategy, p.chunk_rows

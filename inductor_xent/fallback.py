@@ -1,17 +1,30 @@
 """Chunked PyTorch implementation: CPU tensors, float64, and wherever the Triton kernels cannot run.
 
-Forward and backward walk the rows in chunks and never hold more than one chunk of
-``rows x V`` logits (plus its softmax and a tanh buffer when softcapping) at a time. The backward
-recomputes each chunk's logits from ``hidden``, ``weight`` and the saved ``lse`` instead of storing
-them: 8·N·D·V FLOPs in total instead of 6·N·D·V, in exchange for O(N + V·D) memory.
+Both strategies walk the rows in chunks and never hold more than one chunk of ``rows x V`` logits
+(plus its softmax and a buffer for the softcap derivative) at a time:
+
+* ``recompute`` (``forward`` + ``backward``): the forward keeps per-row statistics only; the
+  backward recomputes each chunk's logits from ``hidden``, ``weight`` and the saved logsumexp.
+  8·N·D·V FLOPs, O(N + chunk) memory.
+* ``store`` (``store``): one pass computes the loss and, from the same logits, the gradients of
+  the reduced (mean or sum) loss; the backward only scales them by the incoming scalar gradient.
+  6·N·D·V FLOPs; the gradients (and an fp32 accumulator for a low-precision weight) are held from
+  forward to backward.
 
 Gradient of the per-row loss w.r.t. the (capped) logits ``z`` of a row, with incoming gradients
 ``g`` (loss) and ``h`` (lse), ``p = softmax(z)``, ``ε`` = label_smoothing::
 
     dz = g·(p − (1 − ε)·onehot(t) − ε/V) + (2·z_loss·lse·g + h)·p
 
-then times ``1 − tanh²`` for softcapping and ``logit_scale`` for the scale. Ignored rows have
-``g = 0`` (their loss is the constant 0) but still pass ``h`` through.
+then times ``sech²(x)`` (``x`` the uncapped logit over ``softcap``) for softcapping and
+``logit_scale`` for the scale. Ignored rows have ``g = 0`` (their loss is the constant 0) but still
+pass ``h`` through.
+
+Precision: the loss is computed relative to the row maximum ``m``,
+``log Σexp(z − m) + (1 − ε)(m − z_t) + ε(m − mean z)``, never as ``lse − z_t``: when every logit
+is large (2^24) the rounding of ``lse`` would swallow the ``log Σ`` term. The backward rebuilds the
+softmax as ``exp((z − lse) − lse_lo)`` from the logsumexp and its rounding residual ``lse_lo``
+(``lse + lse_lo`` is the logsumexp to twice the working precision), for the same reason.
 """
 
 from __future__ import annotations
@@ -22,8 +35,7 @@ import torch
 from torch import Tensor
 
 from . import config
-from .options import LossOptions
-from .reference import compute_dtype
+from .options import LossOptions, compute_dtype
 
 
 def chunk_rows(num_rows: int, vocab: int, dtype: torch.dtype) -> int:
@@ -33,19 +45,63 @@ def chunk_rows(num_rows: int, vocab: int, dtype: torch.dtype) -> int:
 
 
 def _chunk_logits(h: Tensor, w: Tensor, b: Optional[Tensor], opts: LossOptions) -> tuple[Tensor, Optional[Tensor]]:
-    """Logits of one row chunk in the compute dtype, and ``tanh(z_raw / softcap)`` when capped."""
+    """Logits of one row chunk in the compute dtype, and the uncapped ``x = z_raw / softcap`` when
+    capped (the backward's ``sech²(x)``; ``None`` otherwise)."""
     z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
     if opts.logit_scale != 1.0:
         z.mul_(opts.logit_scale)
     if opts.softcap is None:
         return z, None
-    tanh = torch.tanh(z.div_(opts.softcap))
-    return torch.mul(tanh, opts.softcap, out=z), tanh
+    x = z.div_(opts.softcap)
+    return torch.tanh(x).mul_(opts.softcap), x
+
+
+def _sech2_(x: Tensor) -> Tensor:
+    """``1 − tanh²(x)`` in place as ``1 / cosh²(x)``: no cancellation where tanh saturates (the
+    difference form loses every digit there), and cosh overflowing to inf gives the exact 0."""
+    return x.cosh_().square_().reciprocal_()
 
 
 def _upcast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]):
     cd = compute_dtype(hidden.dtype)
     return cd, weight.to(cd), None if bias is None else bias.to(cd)
+
+
+def _row_stats(z: Tensor, t: Tensor, valid: Tensor, opts: LossOptions) -> tuple[Tensor, Tensor, Tensor]:
+    """(loss, lse, lse_lo) of one chunk of logits, all (rows,); see the module docstring."""
+    eps = opts.label_smoothing
+    m = z.amax(dim=-1)
+    log_s = (z - m.unsqueeze(1)).exp_().sum(dim=-1).log_()
+    lse = m + log_s
+    lse_lo = (m - lse) + log_s
+    z_t = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+    loss = log_s + (1 - eps) * (m - z_t)
+    if eps != 0.0:
+        loss += eps * (m - z.mean(dim=-1))
+    if opts.z_loss != 0.0:
+        loss += opts.z_loss * lse.square()
+    return torch.where(valid, loss, 0.0), lse, lse_lo
+
+
+def _dlogits_(z: Tensor, x: Optional[Tensor], lse: Tensor, lse_lo: Tensor, t: Tensor, valid: Tensor,
+              g: Tensor, c: Tensor, opts: LossOptions) -> Tensor:
+    """dz of one chunk, computed in place of the logits ``z`` (and of ``x``); ``g`` is the loss's
+    incoming gradient (0 on ignored rows), ``c`` the softmax's coefficient from the lse terms."""
+    eps, vocab = opts.label_smoothing, z.shape[1]
+    p = z.sub_(lse.unsqueeze(1)).sub_(lse_lo.unsqueeze(1)).exp_()  # softmax, in place of the logits
+    d = p * g.unsqueeze(1)
+    d.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), (-(1 - eps) * g).unsqueeze(1))
+    if eps != 0.0:
+        d.sub_((eps / vocab) * g.unsqueeze(1))
+    # c·p is added apart from g·(p − onehot): folded into g·(1 + 2·z_loss·lse) the small z-loss
+    # term rounds against 1, and where p ≈ onehot (confident rows, V = 1) that is the whole gradient
+    d.addcmul_(p, c.unsqueeze(1))
+    del p
+    if x is not None:
+        d.mul_(_sech2_(x))
+    if opts.logit_scale != 1.0:
+        d.mul_(opts.logit_scale)
+    return d
 
 
 def forward(
@@ -54,29 +110,18 @@ def forward(
     bias: Optional[Tensor],  # (V,)
     target: Tensor,  # (N,)
     opts: LossOptions,
-) -> tuple[Tensor, Tensor]:
-    """Per-row loss and logsumexp, both (N,) in the compute dtype."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row loss, logsumexp and its rounding residual, all (N,) in the compute dtype."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
-    loss = torch.empty(n, dtype=cd, device=hidden.device)
-    lse = torch.empty(n, dtype=cd, device=hidden.device)
-    eps = opts.label_smoothing
+    loss, lse, lse_lo = (torch.empty(n, dtype=cd, device=hidden.device) for _ in range(3))
     step = chunk_rows(n, vocab, cd)
     for start in range(0, n, step):
         rows = slice(start, start + step)
         z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts)
         t = target[rows]
-        valid = t != opts.ignore_index
-        row_lse = torch.logsumexp(z, dim=-1)
-        z_t = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
-        row_loss = row_lse - (1 - eps) * z_t
-        if eps != 0.0:
-            row_loss -= eps * z.mean(dim=-1)
-        if opts.z_loss != 0.0:
-            row_loss += opts.z_loss * row_lse.square()
-        loss[rows] = torch.where(valid, row_loss, 0.0)
-        lse[rows] = row_lse
-    return loss, lse
+        loss[rows], lse[rows], lse_lo[rows] = _row_stats(z, t, t != opts.ignore_index, opts)
+    return loss, lse, lse_lo
 
 
 def backward(
@@ -87,6 +132,7 @@ def backward(
     bias: Optional[Tensor],  # (V,)
     target: Tensor,  # (N,)
     lse: Tensor,  # (N,)
+    lse_lo: Tensor,  # (N,)
     opts: LossOptions,
     needs: tuple[bool, bool, bool],
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -97,29 +143,16 @@ def backward(
     grad_h = torch.empty((n, hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
     grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=cd, device=weight.device)
     grad_b = torch.zeros((vocab,) if need_b else (0,), dtype=cd, device=weight.device)
-    eps = opts.label_smoothing
     valid = target != opts.ignore_index
     g = torch.where(valid, grad_loss.to(cd), 0.0)
-    # The softmax's coefficient from the lse terms (z-loss and the lse output), kept apart from
-    # g·(p − onehot): folding it into one factor g·(1 + 2·z_loss·lse) rounds the small z-loss term
-    # against 1, and where p ≈ onehot (confident rows, V = 1) that rounding is the whole gradient.
     c = 2 * opts.z_loss * lse.to(cd) * g + grad_lse.to(cd)
     step = chunk_rows(n, vocab, cd)
     for start in range(0, n, step):
         rows = slice(start, start + step)
         h = hidden[rows].to(cd)
-        z, tanh = _chunk_logits(h, w, b, opts)
-        p = z.sub_(lse[rows].to(cd).unsqueeze(1)).exp_()  # softmax, in place of the logits
-        d = p * g[rows].unsqueeze(1)
-        d.scatter_add_(1, torch.where(valid[rows], target[rows], 0).unsqueeze(1), (-(1 - eps) * g[rows]).unsqueeze(1))
-        if eps != 0.0:
-            d.sub_((eps / vocab) * g[rows].unsqueeze(1))
-        d.addcmul_(p, c[rows].unsqueeze(1))
-        del p
-        if tanh is not None:
-            d.mul_(tanh.square_().neg_().add_(1))
-        if opts.logit_scale != 1.0:
-            d.mul_(opts.logit_scale)
+        z, x = _chunk_logits(h, w, b, opts)
+        d = _dlogits_(z, x, lse[rows].to(cd), lse_lo[rows].to(cd), target[rows], valid[rows], g[rows], c[rows],
+                      opts)
         if need_h:
             grad_h[rows] = torch.mm(d, w)
         if need_w:
@@ -127,6 +160,52 @@ def backward(
         if need_b:
             grad_b += d.sum(dim=0)
     return grad_h, grad_w.to(weight.dtype), grad_b.to(weight.dtype if bias is None else bias.dtype)
+
+
+def store(
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,)
+    opts: LossOptions,
+    reduction: str,  # "mean" | "sum"
+    needs: tuple[bool, bool, bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The reduced loss (0-dim, compute dtype) and its gradients w.r.t. (hidden, weight, bias), all
+    from one pass over the logits (the ``store`` strategy); an empty tensor stands for each
+    gradient not in ``needs``. The weight and bias gradients accumulate over the row chunks in the
+    compute dtype (float32 or float64) and are rounded once."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    cd, w, b = _upcast(hidden, weight, bias)
+    need_h, need_w, need_b = needs
+    grad_h = torch.empty((n, hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
+    grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=cd, device=weight.device)
+    grad_b = torch.zeros((vocab,) if need_b else (0,), dtype=cd, device=weight.device)
+    valid = target != opts.ignore_index
+    count = valid.sum()
+    scale = (1.0 / count.to(cd)) if reduction == "mean" else torch.ones((), dtype=cd, device=hidden.device)
+    g = torch.where(valid, scale, 0.0)  # d(reduced loss) / d(row loss); 0 on ignored rows
+    total = torch.zeros((), dtype=cd, device=hidden.device)
+    step = chunk_rows(n, vocab, cd)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        h = hidden[rows].to(cd)
+        t, ok = target[rows], valid[rows]
+        z, x = _chunk_logits(h, w, b, opts)
+        loss, lse, lse_lo = _row_stats(z, t, ok, opts)
+        total += loss.sum()
+        if not any(needs):
+            continue
+        c = 2 * opts.z_loss * lse * g[rows]
+        d = _dlogits_(z, x, lse, lse_lo, t, ok, g[rows], c, opts)
+        if need_h:
+            grad_h[rows] = torch.mm(d, w)
+        if need_w:
+            grad_w.addmm_(d.t(), h)
+        if need_b:
+            grad_b += d.sum(dim=0)
+    loss = total / count.to(cd) if reduction == "mean" else total
+    return loss, grad_h, grad_w.to(weight.dtype), grad_b.to(weight.dtype if bias is None else bias.dtype)
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:

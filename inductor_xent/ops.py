@@ -1,15 +1,30 @@
-"""The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else.
+"""The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
+(other modules use ``FORWARD``, ``BACKWARD`` and ``STORE``).
 
-* ``inductor_xent::linear_ce_fwd(hidden, weight, bias, target, <options>) -> (loss, lse)``: per-row
-  loss (0 on ignored rows) and per-row logsumexp, both (N,), float32 (float64 for float64 inputs).
-* ``inductor_xent::linear_ce_bwd(grad_loss, grad_lse, hidden, weight, bias, target, lse, <options>,
-  needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``: always three
-  tensors; one that is not needed is empty, shape (0,).
+Strategy ``recompute`` (strategy.py):
+
+* ``inductor_xent::linear_ce_fwd(hidden, weight, bias, target, <options>) -> (loss, lse, lse_lo)``:
+  per-row loss (0 on ignored rows), logsumexp, and the logsumexp's rounding residual (``lse +
+  lse_lo`` is the logsumexp to twice the working precision; not differentiable), each (N,),
+  float32 (float64 for float64 inputs).
+* ``inductor_xent::linear_ce_bwd(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo,
+  <options>, needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``:
+  always three tensors; one that is not needed is empty, shape (0,).
 
 The forward's autograd formula calls the backward op, so under ``torch.compile`` AOTAutograd sees
-two opaque nodes and the partitioner saves ``hidden, weight, bias, target, lse``: never the logits.
-Both ops are plain ``custom_op``s: Inductor calls them as fallback kernels, which launch our Triton
-kernels on CUDA. No op synchronises with the host (the mean's denominator is the caller's).
+two opaque nodes and the partitioner saves ``hidden, weight, bias, target, lse, lse_lo``: never the
+logits.
+
+Strategy ``store``:
+
+* ``inductor_xent::linear_ce_store(hidden, weight, bias, target, <options>, reduction, chunk_rows,
+  needs_hidden, needs_weight, needs_bias) -> (loss, grad_hidden, grad_weight, grad_bias)``: the
+  reduced loss (0-dim; ``reduction`` is "mean" or "sum") and, computed in the same pass over the
+  logits, its gradients (not differentiable outputs; empty where not needed). Its autograd formula
+  scales them by the incoming scalar gradient: no backward pass over the logits at all.
+
+All are plain ``custom_op``s: Inductor calls them as fallback kernels, which launch our Triton
+kernels on CUDA. No op synchronises with the host (the mean's denominator stays on the device).
 """
 
 from __future__ import annotations
@@ -21,14 +36,13 @@ import torch
 from torch import Tensor
 
 from . import config, fallback
-from .options import KERNEL_DTYPES, LossOptions
-from .reference import compute_dtype
+from .options import KERNEL_DTYPES, LossOptions, compute_dtype
 
 
 def use_triton(hidden: Tensor) -> bool:
     """Which implementation runs for these inputs (see ``config.impl``)."""
     mode = config.impl()
-    if mode == "reference" or hidden.dtype not in KERNEL_DTYPES:
+    if mode == "chunked" or hidden.dtype not in KERNEL_DTYPES:
         return False
     if mode == "triton":
         return True
@@ -63,7 +77,7 @@ def _opts(ignore_index: int, label_smoothing: float, logit_scale: float, softcap
 
 
 # ---------------------------------------------------------------------------------------------
-# forward
+# recompute: forward
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("inductor_xent::linear_ce_fwd", mutates_args=())
 def linear_ce_fwd(
@@ -76,7 +90,7 @@ def linear_ce_fwd(
     logit_scale: float,
     softcap: Optional[float],
     z_loss: float,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     if target.device.type == "cpu":
         fallback.check_targets(target, weight.shape[0], ignore_index)
@@ -89,11 +103,11 @@ def linear_ce_fwd(
 def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
     cd = compute_dtype(hidden.dtype)
     n = hidden.shape[0]
-    return hidden.new_empty((n,), dtype=cd), hidden.new_empty((n,), dtype=cd)
+    return tuple(hidden.new_empty((n,), dtype=cd) for _ in range(3))
 
 
 # ---------------------------------------------------------------------------------------------
-# backward
+# recompute: backward
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("inductor_xent::linear_ce_bwd", mutates_args=())
 def linear_ce_bwd(
@@ -104,6 +118,7 @@ def linear_ce_bwd(
     bias: Optional[Tensor],
     target: Tensor,
     lse: Tensor,
+    lse_lo: Tensor,
     ignore_index: int,
     label_smoothing: float,
     logit_scale: float,
@@ -116,13 +131,11 @@ def linear_ce_bwd(
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
     if use_triton(hidden):
-        return _kernels(hidden).backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, opts, needs)
-    return fallback.backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, opts, needs)
+        return _kernels(hidden).backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
+    return fallback.backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
 
 
-@linear_ce_bwd.register_fake
-def _(grad_loss, grad_lse, hidden, weight, bias, target, lse, ignore_index, label_smoothing,
-      logit_scale, softcap, z_loss, needs_hidden, needs_weight, needs_bias):
+def _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias):
     grad_b_shape = weight.shape[:1] if needs_bias and bias is not None else (0,)
     return (
         hidden.new_empty(hidden.shape if needs_hidden else (0,)),
@@ -131,24 +144,31 @@ def _(grad_loss, grad_lse, hidden, weight, bias, target, lse, ignore_index, labe
     )
 
 
+@linear_ce_bwd.register_fake
+def _(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ignore_index, label_smoothing,
+      logit_scale, softcap, z_loss, needs_hidden, needs_weight, needs_bias):
+    return _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+
 # ---------------------------------------------------------------------------------------------
-# autograd: the forward's derivative is our backward op
+# recompute: autograd (the forward's derivative is our backward op)
 # ---------------------------------------------------------------------------------------------
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, target, *options = inputs
-    ctx.save_for_backward(hidden, weight, bias, target, output[1])
+    ctx.save_for_backward(hidden, weight, bias, target, output[1], output[2])
+    ctx.mark_non_differentiable(output[2])
     ctx.options = options
 
 
-def _backward(ctx, grad_loss, grad_lse):
-    hidden, weight, bias, target, lse = ctx.saved_tensors
+def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo):
+    hidden, weight, bias, target, lse, lse_lo = ctx.saved_tensors
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     grad_h, grad_w, grad_b = linear_ce_bwd(
-        grad_loss, grad_lse, hidden, weight, bias, target, lse, *ctx.options,
+        grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, *ctx.options,
         need_h, need_w, need_b and bias is not None,
     )
     return (
@@ -160,3 +180,69 @@ def _backward(ctx, grad_loss, grad_lse):
 
 
 linear_ce_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# store: loss and gradients in one pass
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("inductor_xent::linear_ce_store", mutates_args=())
+def linear_ce_store(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    logit_scale: float,
+    softcap: Optional[float],
+    z_loss: float,
+    reduction: str,
+    chunk_rows: int,
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"linear_ce_store: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if target.device.type == "cpu":
+        fallback.check_targets(target, weight.shape[0], ignore_index)
+    needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    if use_triton(hidden):
+        return _kernels(hidden).store(hidden, weight, bias, target, opts, reduction, chunk_rows, needs)
+    return fallback.store(hidden, weight, bias, target, opts, reduction, needs)
+
+
+@linear_ce_store.register_fake
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
+      chunk_rows, needs_hidden, needs_weight, needs_bias):
+    loss = hidden.new_empty((), dtype=compute_dtype(hidden.dtype))
+    return (loss, *_grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias))
+
+
+def _store_setup_context(ctx, inputs, output):
+    _, grad_h, grad_w, grad_b = output
+    ctx.save_for_backward(grad_h, grad_w, grad_b)
+    ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
+    ctx.computed = tuple(inputs[-3:])  # needs_hidden, needs_weight, needs_bias
+
+
+def _store_backward(ctx, grad_loss, *_unused):
+    grads = []
+    for name, want, computed, g in zip(("hidden", "weight", "bias"), ctx.needs_input_grad[:3], ctx.computed,
+                                       ctx.saved_tensors):
+        if not want:
+            grads.append(None)
+        elif not computed:
+            raise RuntimeError(f"inductor_xent: strategy 'store' computed no gradient for {name} in the forward "
+                               f"(needs_{name}=False) but autograd asks for one")
+        else:
+            grads.append(g * grad_loss)  # 0-dim grad_loss: the result keeps g's dtype, rounded once
+    return (*grads, *(None,) * 11)
+
+
+linear_ce_store.register_autograd(_store_backward, setup_context=_store_setup_context)
+
+FORWARD = torch.ops.inductor_xent.linear_ce_fwd.default
+BACKWARD = torch.ops.inductor_xent.linear_ce_bwd.default
+STORE = torch.ops.inductor_xent.linear_ce_store.default

@@ -59,14 +59,19 @@ def loss_and_grads(fn, h, w, b, t, g):
     return [rows.detach()] + list(grads)
 
 
-def compare(h, w, b, t, kw):
-    g = torch.rand(h.shape[0], device="cuda") + 0.5
+def compare(h, w, b, t, kw, strategy="recompute"):
+    """reduction='none' (recompute) with a non-uniform upstream gradient; 'sum' for store, whose
+    upstream gradient is one scalar."""
+    reduction = "sum" if strategy == "store" else "none"
+    g = torch.rand(h.shape[0], device="cuda") + 0.5 if reduction == "none" else torch.ones((), device="cuda")
 
     def ours(hh, ww, bb):
-        return inductor_xent.linear_cross_entropy(hh, ww, t, bias=bb, reduction="none", **kw)
+        out = inductor_xent.linear_cross_entropy(hh, ww, t, bias=bb, reduction=reduction, strategy=strategy, **kw)
+        return out if reduction == "none" else out.reshape(1).expand(h.shape[0]) / h.shape[0]
 
     def ref(hh, ww, bb):
-        return reference.linear_cross_entropy(hh, ww, t, bias=bb, reduction="none", **kw)
+        out = reference.linear_cross_entropy(hh, ww, t, bias=bb, reduction=reduction, **kw)
+        return out if reduction == "none" else out.reshape(1).expand(h.shape[0]) / h.shape[0]
 
     def torch_way(hh, ww, bb):
         o = LossOptions(-100, kw.get("label_smoothing", 0.0), kw.get("logit_scale", 1.0), kw.get("softcap"),
@@ -79,7 +84,8 @@ def compare(h, w, b, t, kw):
         zt = z.gather(1, torch.where(valid, t, 0)[:, None])[:, 0]
         eps = o.label_smoothing
         rows = (1 - eps) * (lse - zt) + eps * (lse - z.mean(-1)) + o.z_loss * lse**2
-        return torch.where(valid, rows, 0.0)
+        rows = torch.where(valid, rows, 0.0)
+        return rows if reduction == "none" else rows.sum().reshape(1).expand(h.shape[0]) / h.shape[0]
 
     poison()
     got = loss_and_grads(ours, h, w, b, t, g)
@@ -92,49 +98,82 @@ def compare(h, w, b, t, kw):
     return got
 
 
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("n, d, v", [(512, 1024, 128256), (256, 2304, 256000), (1000, 768, 50257)])
-def test_matches_reference(dtype, n, d, v):
-    compare(*make(n, d, v, dtype), {})
+def test_matches_reference(dtype, n, d, v, strategy):
+    compare(*make(n, d, v, dtype), {}, strategy)
 
 
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_every_option(dtype):
-    """bias, smoothing, scale, softcap (that bites), z-loss, and a [D, V] weight passed as .t()."""
+def test_every_option(dtype, strategy):
+    """bias, smoothing, scale, softcap (that bites), z-loss, and a [D, V] weight passed as .t()
+    (store: no smoothing with the softcap, strategy.py)."""
     h, w, b, t = make(384, 640, 50257, dtype, bias=True, scale=12.0, seed=1)
     w = w.t().contiguous().t()
-    compare(h, w, b, t, dict(label_smoothing=0.1, logit_scale=0.8, softcap=15.0, z_loss=1e-4))
+    compare(h, w, b, t, dict(label_smoothing=0.1 if strategy == "recompute" else 0.0, logit_scale=0.8,
+                             softcap=15.0, z_loss=1e-4), strategy)
 
 
-def test_deterministic():
+def test_store_many_chunks_matches_reference(monkeypatch):
+    """store over 4 row chunks of a bf16 weight (an fp32 accumulator: more than 2 chunks)."""
+    h, w, b, t = make(1024, 1024, 50257, torch.bfloat16, bias=True, seed=5)
+    from inductor_xent.templates import launch
+
+    real = launch.store
+    monkeypatch.setattr(launch, "store", lambda *a, **k: real(*a[:6], 256, *a[7:], **k))
+    compare(h, w, b, t, dict(z_loss=1e-4), "store")
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_deterministic(strategy):
     h, w, b, t = make(1024, 1024, 128256, torch.bfloat16, bias=True, seed=2)
-    g = torch.rand(1024, device="cuda")
+    red = "none" if strategy == "recompute" else "mean"
+    g = torch.rand(1024, device="cuda") if red == "none" else torch.ones((), device="cuda")
     fn = lambda hh, ww, bb: inductor_xent.linear_cross_entropy(  # noqa: E731
-        hh, ww, t, bias=bb, reduction="none", label_smoothing=0.1)
+        hh, ww, t, bias=bb, reduction=red, label_smoothing=0.1, strategy=strategy)
     first = loss_and_grads(fn, h, w, b, t, g)
     second = loss_and_grads(fn, h, w, b, t, g)
     for x, y in zip(first, second):
         assert torch.equal(x, y)
 
 
-def test_peak_memory_llama3_8b():
-    """Issue 3: extra peak of forward+backward <= 200 MiB at (8192, 4096, 128256) (torch.compile:
-    2004 MiB); "extra" excludes the two gradient buffers."""
+@pytest.mark.parametrize("strategy, budget", [("recompute", None), ("store", "1x")])
+def test_peak_memory_llama3_8b(strategy, budget):
+    """Extra peak of forward+backward at (8192, 4096, 128256) ("extra" excludes the two gradient
+    buffers; torch.compile: 2004 MiB): recompute <= 200 MiB (issue 3); store within its budget
+    (strategy.plan's estimate) and so <= the logits' size."""
+    from inductor_xent import strategy as strat
+
     h, w, _, t = make(8192, 4096, 128256, torch.bfloat16)
     h.requires_grad_()
     w.requires_grad_()
-    gh, gw = torch.autograd.grad(inductor_xent.linear_cross_entropy(h, w, t), (h, w))  # warm-up
+
+    def step():
+        return torch.autograd.grad(inductor_xent.linear_cross_entropy(h, w, t, strategy=strategy,
+                                                                      store_budget=budget), (h, w))
+
+    gh, gw = step()  # warm-up
     del gh, gw
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    gh, gw = torch.autograd.grad(inductor_xent.linear_cross_entropy(h, w, t), (h, w))
+    gh, gw = step()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base - gh.nbytes - gw.nbytes
-    assert extra <= 200 * 2**20, f"extra peak {extra / 2**20:.0f} MiB"
+    if strategy == "recompute":
+        limit = 200 * 2**20
+    else:
+        plan = strat.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                          needs=(True, True, False), strategy="store", budget=budget)
+        assert plan.strategy == "store"
+        limit = 8192 * 128256 * 2
+    assert extra <= limit, f"extra peak {extra / 2**20:.0f} MiB"
 
 
-def test_cuda_graph_capture():
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_cuda_graph_capture(strategy):
     """Forward + backward through the public op, captured once and replayed: no host syncs."""
     h, w, b, t = make(512, 512, 50257, torch.bfloat16, bias=True, seed=3)
     h.requires_grad_()
@@ -142,7 +181,7 @@ def test_cuda_graph_capture():
     b.requires_grad_()
 
     def step():  # detached outputs: no autograd node (made on another stream) outlives a step
-        loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1)
+        loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1, strategy=strategy)
         return (loss.detach(),) + torch.autograd.grad(loss, (h, w, b))
 
     expected = step()
@@ -161,9 +200,10 @@ def test_cuda_graph_capture():
         assert torch.equal(x, y)
 
 
-def test_torch_compile_fullgraph():
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_torch_compile_fullgraph(strategy):
     h, w, _, t = make(1000, 768, 50257, torch.bfloat16, seed=4)
-    fn = lambda hh, ww: inductor_xent.linear_cross_entropy(hh, ww, t, z_loss=1e-4)  # noqa: E731
+    fn = lambda hh, ww: inductor_xent.linear_cross_entropy(hh, ww, t, z_loss=1e-4, strategy=strategy)  # noqa: E731
     eager = loss_and_grads(lambda hh, ww, _: fn(hh, ww), h, w, None, t, torch.ones((), device="cuda"))
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True)

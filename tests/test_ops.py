@@ -8,6 +8,7 @@ from inductor_xent import reference
 
 FWD = torch.ops.inductor_xent.linear_ce_fwd.default
 BWD = torch.ops.inductor_xent.linear_ce_bwd.default
+STORE = torch.ops.inductor_xent.linear_ce_store.default
 
 
 def _args(n=13, d=7, v=23, dtype=torch.float32, bias=True, seed=0):
@@ -32,14 +33,44 @@ def test_opcheck_forward(dtype, bias, softcap):
 def test_opcheck_backward(needs):
     h, w, b, y = _args()
     with torch.no_grad():
-        _, lse = FWD(h, w, b, y, -100, 0.0, 1.0, None, 0.0)
+        _, lse, lse_lo = FWD(h, w, b, y, -100, 0.0, 1.0, None, 0.0)
     g, gl = torch.randn(13), torch.randn(13)
-    args = (g, gl, h.detach(), w.detach(), b.detach(), y, lse, -100, 0.0, 1.0, None, 0.0, *needs)
+    args = (g, gl, h.detach(), w.detach(), b.detach(), y, lse, lse_lo, -100, 0.0, 1.0, None, 0.0, *needs)
     torch.library.opcheck(BWD, args)
     gh, gw, gb = BWD(*args)
     assert gh.shape == ((13, 7) if needs[0] else (0,))
     assert gw.shape == ((23, 7) if needs[1] else (0,))
     assert gb.shape == ((23,) if needs[2] else (0,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
+def test_opcheck_store(dtype, reduction, needs):
+    h, w, b, y = _args(dtype=dtype)
+    h.requires_grad_(needs[0])
+    w.requires_grad_(needs[1])
+    b.requires_grad_(needs[2])
+    torch.library.opcheck(STORE, (h, w, b, y, -100, 0.1, 0.9, None, 1e-3, reduction, 8, *needs))
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_frozen_weight_strategies(strategy):
+    """A frozen weight gets no gradient work and no gradient, in both strategies."""
+    h, w, b, y = _args()
+    w.requires_grad_(False)
+    inductor_xent.linear_cross_entropy(h, w, y, bias=b, strategy=strategy).backward()
+    assert w.grad is None and h.grad is not None and b.grad is not None
+    want = torch.autograd.grad(reference.linear_cross_entropy(h, w, y, bias=b), (h, b))
+    for p, g in zip((h, b), want):
+        torch.testing.assert_close(p.grad, g)
+
+
+def test_store_with_a_gradient_the_forward_did_not_compute_is_an_error():
+    h, w, b, y = _args()
+    loss, *_ = STORE(h, w, b, y, -100, 0.0, 1.0, None, 0.0, "mean", 0, True, False, True)
+    with pytest.raises(RuntimeError, match="computed no gradient for weight"):
+        loss.backward()
 
 
 def test_only_requested_gradients():
@@ -50,9 +81,10 @@ def test_only_requested_gradients():
     assert w.grad is None and h.grad is not None and b.grad is not None
 
 
-def test_retain_graph_and_second_backward():
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_retain_graph_and_second_backward(strategy):
     h, w, b, y = _args()
-    loss = inductor_xent.linear_cross_entropy(h, w, y, bias=b)
+    loss = inductor_xent.linear_cross_entropy(h, w, y, bias=b, strategy=strategy)
     g1 = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
     g2 = torch.autograd.grad(loss * 3, (h, w, b))
     for a, c in zip(g1, g2):
@@ -62,13 +94,15 @@ def test_retain_graph_and_second_backward():
         torch.testing.assert_close(a, c)
 
 
-def test_compile_fullgraph_two_batch_sizes_no_recompile():
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_compile_fullgraph_two_batch_sizes_no_recompile(strategy):
     torch._dynamo.reset()
     from torch._dynamo.testing import CompileCounterWithBackend
 
     counter = CompileCounterWithBackend("aot_eager")
     fn = torch.compile(
-        lambda h, w, y: inductor_xent.linear_cross_entropy(h, w, y, label_smoothing=0.1, z_loss=1e-4),
+        lambda h, w, y: inductor_xent.linear_cross_entropy(h, w, y, label_smoothing=0.1, z_loss=1e-4,
+                                                           strategy=strategy),
         backend=counter, fullgraph=True, dynamic=None,
     )
     for n in (16, 24, 40):  # the second size triggers automatic dynamic; the third must reuse it
@@ -82,9 +116,11 @@ def test_compile_fullgraph_two_batch_sizes_no_recompile():
     torch._dynamo.reset()
 
 
-def test_compile_inductor_cpu_matches_eager():
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_compile_inductor_cpu_matches_eager(strategy):
     torch._dynamo.reset()
-    fn = torch.compile(lambda h, w, b, y: inductor_xent.linear_cross_entropy(h, w, y, bias=b, softcap=3.0),
+    fn = torch.compile(lambda h, w, b, y: inductor_xent.linear_cross_entropy(h, w, y, bias=b, softcap=3.0,
+                                                                             strategy=strategy),
                        backend="inductor", fullgraph=True)
     h, w, b, y = _args(n=19)
     got = fn(h, w, b, y)
@@ -96,16 +132,18 @@ def test_compile_inductor_cpu_matches_eager():
     torch._dynamo.reset()
 
 
-def test_backward_graph_saves_no_logits():
-    """Under AOTAutograd the forward saves inputs and the (N,) lse: no [N, V] tensor crosses."""
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_backward_graph_saves_no_logits(strategy):
+    """Under AOTAutograd the forward saves inputs and the (N,) lse (recompute) or the gradients
+    (store): no [N, V] tensor crosses, and the backward is our op (recompute) or a scaling (store)."""
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 
     torch._dynamo.reset()
     rec = AotEagerAndRecordGraphs()
     n, d, v = 32, 8, 1009
     h, w, b, y = _args(n=n, d=d, v=v)
-    torch.compile(lambda h, w, y: inductor_xent.linear_cross_entropy(h, w, y), backend=rec, fullgraph=True)(
-        h, w, y).backward()
+    torch.compile(lambda h, w, y: inductor_xent.linear_cross_entropy(h, w, y, strategy=strategy), backend=rec,
+                  fullgraph=True)(h, w, y).backward()
     (fw,), (bw,) = rec.fw_graphs, rec.bw_graphs
     for graph in (fw, bw):
         for node in graph.graph.nodes:
@@ -113,5 +151,6 @@ def test_backward_graph_saves_no_logits():
             if isinstance(val, torch.Tensor):
                 assert val.numel() < n * v, f"{node.format_node()} has {tuple(val.shape)}"
     targets = {node.target for node in bw.graph.nodes}
-    assert BWD in targets
+    assert (BWD in targets) == (strategy == "recompute")
+    assert STORE in {node.target for node in fw.graph.nodes} or strategy == "recompute"
     torch._dynamo.reset()

@@ -5,9 +5,9 @@ The backward walks the vocabulary in chunks of Vc columns (``configs.dlogits_chu
 1. ``lce_dlogits_kernel`` recomputes the chunk's logits (2·N·D·Vc FLOPs, ``tl.dot`` into fp32) and
    writes the gradient of the loss w.r.t. the raw linear output, in the input dtype, ``[N, Vc]``:
 
-       p  = exp(z - lse)
+       p  = exp((z − lse) − lse_lo)
        dz = g·(p − (1 − ε)·onehot(t) − ε/V) + (2·z_loss·lse·g + h)·p
-       dz ×= (1 − tanh²) if softcapped;  dz ×= logit_scale
+       dz ×= sech²(x) if softcapped (x the capped argument);  dz ×= logit_scale
 
    with g = grad_loss (0 on ignored rows) and h = grad_lse; plus, for grad_bias, one fp32 column
    sum of dz per row block (``[num_row_blocks, Vc]``, reduced by a deterministic ``sum(0)``).
@@ -33,8 +33,8 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import config as _config
+from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, tile_logits
 from .configs import KernelConfig
-from .forward import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, logits_tile, logits_tile_tma
 
 
 # ---------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ from .forward import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, logi
 @triton.jit
 def lce_dlogits_kernel(
     # pointers
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, grad_loss_ptr, grad_lse_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, lse_lo_ptr, grad_loss_ptr, grad_lse_ptr,
     dz_ptr, dbias_ptr,
     # sizes: this chunk is columns [v_start, v_start + chunk) of the V-column vocabulary
     N, V, D, v_start, chunk,
@@ -68,31 +68,28 @@ def lce_dlogits_kernel(
     offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the chunk
     offs_v = v_start + offs_c
     col_mask = (offs_c < chunk) & (offs_v < V)
-    if USE_TMA:
-        acc = logits_tile_tma(hidden_ptr, weight_ptr, pid_m * BLOCK_M, v_start + pid_n * BLOCK_N, D,
-                              BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
-    else:
-        cols = tl.minimum(offs_v, V - 1).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        h_ptrs = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
-        w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
-        acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
-    z, t = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+    acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v_start + pid_n * BLOCK_N, offs_v, D,
+                      stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
+    z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
     # ---- dz = g·q + c·p with q = p − (1 − ε)·onehot − ε/V and c = 2·z_loss·lse·g + h -----------
     # written (g + c)·q + c·((1 − ε)·onehot + ε/V): one tile live, and c is never rounded against g
     # (the folded g·(1 + 2·z_loss·lse) loses the z-loss term where p ≈ onehot, e.g. V = 1).
+    # p = exp((z − lse) − lse_lo): z − lse is exact near the row max, lse_lo restores the rounding
+    # of lse (all logits 2^24: without it every p is off by e^0.08).
     tgt = tl.load(target_ptr + rows)
     lse = tl.load(lse_ptr + rows)
+    lse_lo = tl.load(lse_lo_ptr + rows)
     g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
     c = 2.0 * z_loss * lse * g + tl.load(grad_lse_ptr + rows).to(tl.float32)
     hit = offs_v[None, :] == tgt[:, None]
-    q = tl.exp2((z - lse[:, None]) * LOG2E) - tl.where(hit, 1.0 - label_smoothing, 0.0) - label_smoothing / V
+    p = tl.exp2(((z - lse[:, None]) - lse_lo[:, None]) * LOG2E)
+    q = p - tl.where(hit, 1.0 - label_smoothing, 0.0) - label_smoothing / V
     dz = (g + c)[:, None] * q + tl.where(hit, (c * (1.0 - label_smoothing))[:, None], 0.0) \
         + (c * (label_smoothing / V))[:, None]
     if HAS_SOFTCAP:
-        dz *= 1.0 - t * t
+        dz *= sech2
     dz *= logit_scale
     live = row_mask[:, None] & col_mask[None, :]
     dz = tl.where(live, dz, 0.0)

@@ -101,6 +101,20 @@ def dlogits_config(dtype: torch.dtype) -> KernelConfig:
     return _pick(DLOGITS_TABLE, dtype)
 
 
+def store_config(dtype: torch.dtype) -> KernelConfig:
+    """The store strategy's forward: the forward tile with one vocabulary tile per program (the
+    exp-logit tile is normalised by that tile's own max)."""
+    return forward_config(dtype)._replace(split_tiles=1)
+
+
+def store_dz_config(fwd: KernelConfig) -> KernelConfig:
+    """The store strategy's pointwise dz kernel: the forward's tile width (its partials are per
+    tile), fewer rows per program (a [32, 256] tile: 8 fp32 values per thread at 8 warps)."""
+    if _config.triton_interpret():
+        return fwd
+    return KernelConfig(32, fwd.block_n, 0, 8, 8, 1)
+
+
 def acc_mm_config(dtype: torch.dtype) -> KernelConfig:
     return _pick(ACC_MM_TABLE, dtype)
 

@@ -17,10 +17,12 @@ from torch import Tensor
 
 from .. import config
 from ..options import KERNEL_DTYPES, LossOptions
+from ..strategy import LOWP_ACCUMULATE_CHUNKS
 from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
+from .store import lce_store_dz_kernel
 
 COMBINE_BLOCK = 128
 
@@ -94,17 +96,14 @@ def forward(
     opts: LossOptions,
     *,
     cfg: Optional[KernelConfig] = None,  # the benchmark's --sweep; the table's choice otherwise
-) -> tuple[Tensor, Tensor]:
-    """Per-row loss (0 on ignored rows) and logsumexp (every row), both (N,) float32."""
-    n, d = hidden.shape
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-row loss (0 on ignored rows), logsumexp and its rounding residual (every row), (N,) fp32."""
+    n = hidden.shape[0]
     v = weight.shape[0]
-    loss = torch.empty(n, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
+    loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
     if n == 0:
-        return loss, lse
+        return loss, lse, lse_lo
     cfg = cfg or configs.forward_config(hidden.dtype)
-    target = target.contiguous()
-    bias = None if bias is None else bias.contiguous()
     num_m = triton.cdiv(n, cfg.block_m)
     num_tiles = triton.cdiv(v, cfg.block_n)
     if cfg.split_tiles:
@@ -114,29 +113,44 @@ def forward(
         splits, tiles_per_split = configs.vocab_split(
             num_m, num_tiles, _num_sms(hidden.device) * cfg.ctas_per_sm, num_rows=n
         )
+    _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, (loss, lse, lse_lo))
+    return loss, lse, lse_lo
+
+
+def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None):
+    """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
+    with ``e`` (store mode, one tile per split) also the exp-logit tiles, and ``st`` the target's
+    sech² under a softcap. Returns the partials (their plane 0 holds each split's row max)."""
+    n, d = hidden.shape
+    v = weight.shape[0]
+    target = target.contiguous()
+    bias = None if bias is None else bias.contiguous()
     need_sum_z = opts.label_smoothing != 0.0
-    part = torch.empty((3 + need_sum_z, splits, n), dtype=torch.float32, device=hidden.device)
+    need_st = e is not None and opts.softcap is not None
+    part = torch.empty((3 + need_sum_z + need_st, splits, n), dtype=torch.float32, device=hidden.device)
     logit_scale, softcap = _options(opts)
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
-    lce_fwd_kernel[(num_m * splits,)](
-        h_op, w_op, bias, target, part,
+    lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
+        h_op, w_op, bias, target, part, e,
         n, v, d, tiles_per_split, splits,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if e is None else e.stride(0),
         logit_scale, softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
+        STORE_E=e is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
         NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
-        part, target, loss, lse,
+        part, target, loss, lse, lse_lo, st,
         n, v, splits,
         int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss),
-        NEED_SUM_Z=need_sum_z, BLOCK=COMBINE_BLOCK,
+        NEED_SUM_Z=need_sum_z, NEED_ST=need_st, BLOCK=COMBINE_BLOCK,
     )
-    return loss, lse
+    return part
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,6 +174,7 @@ def backward(
     bias: Optional[Tensor],  # (V,)
     target: Tensor,  # (N,) int64
     lse: Tensor,  # (N,) float32
+    lse_lo: Tensor,  # (N,) float32
     opts: LossOptions,
     needs: tuple[bool, bool, bool],
     *,
@@ -182,7 +197,7 @@ def backward(
 
     cfg = cfg or configs.dlogits_config(hidden.dtype)
     # (N,) and (V,) vectors: a mean's grad_loss arrives expanded (stride 0); copies are tiny
-    grad_loss, grad_lse, target, lse = (t.contiguous() for t in (grad_loss, grad_lse, target, lse))
+    grad_loss, grad_lse, target, lse, lse_lo = (t.contiguous() for t in (grad_loss, grad_lse, target, lse, lse_lo))
     bias = None if bias is None else bias.contiguous()
     precision = _input_precision(hidden.dtype)
     fp32_acc = need_h and hidden.dtype != torch.float32
@@ -206,7 +221,7 @@ def backward(
         cols = min(chunk, v - v0)
         dz = dz_buf[:, :cols]
         lce_dlogits_kernel[(num_m * triton.cdiv(cols, cfg.block_n),)](
-            h_op, w_op, bias, target, lse, grad_loss, grad_lse, dz, dbias,
+            h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, dz, dbias,
             n, v, d, v0, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             dz.stride(0), dbias.stride(0),
@@ -227,3 +242,109 @@ def backward(
     if fp32_acc:
         grad_h.copy_(acc)
     return grad_h, grad_w, grad_b
+
+
+# ---------------------------------------------------------------------------------------------
+# store: loss and gradients in one pass over row chunks
+# ---------------------------------------------------------------------------------------------
+def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b with fp32 accumulation and one rounding to out's dtype (cuBLAS on CUDA; on
+    CPU tensors, interpreter tests only, in fp32 and copied)."""
+    if out.device.type == "cpu" and out.dtype != torch.float32:
+        prod = a.float() @ b.float()
+        out.copy_(out.float() + prod if accumulate else prod)
+    elif accumulate:
+        out.addmm_(a, b)
+    else:
+        torch.mm(a, b, out=out)
+
+
+def store(
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,) int64
+    opts: LossOptions,
+    reduction: str,  # "mean" | "sum"
+    chunk_rows: int,  # rows per chunk (0: all rows at once)
+    needs: tuple[bool, bool, bool],
+    *,
+    cfg: Optional[KernelConfig] = None,
+    fp32_accumulate: Optional[bool] = None,  # the benchmark's --store-options; the precision rule otherwise
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The reduced loss (0-dim fp32) and its gradients (hidden, weight, bias) from one pass over row
+    chunks (store.py has the steps); a gradient not in ``needs`` is an empty (0,) tensor."""
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=dev)
+    grad_w = _grad_weight_buffer(weight, need_w)
+    b_dtype = weight.dtype if bias is None else bias.dtype
+    grad_b = torch.zeros((v,) if need_b else (0,), dtype=torch.float32, device=dev)
+    target = target.contiguous()
+    valid = target != opts.ignore_index
+    count = valid.sum()
+    scale = 1.0 / count.float() if reduction == "mean" else torch.ones((), device=dev)
+    g = torch.where(valid, scale, 0.0)  # d(reduced loss) / d(row loss)
+    rows_loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
+    if n == 0:
+        grad_w.zero_()
+        return rows_loss.sum() / count if reduction == "mean" else rows_loss.sum(), grad_h, grad_w, grad_b.to(b_dtype)
+
+    cfg = cfg or configs.store_config(hidden.dtype)
+    chunk = min(n, chunk_rows or n)
+    chunks = triton.cdiv(n, chunk)
+    num_tiles = triton.cdiv(v, cfg.block_n)
+    lowp = weight.element_size() < 4
+    fp32_acc = lowp and chunks > LOWP_ACCUMULATE_CHUNKS and need_w
+    if fp32_accumulate is not None:
+        fp32_acc = fp32_accumulate and need_w
+    acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if fp32_acc else None
+    interpret = config.triton_interpret()
+    # E in fp16 for 16-bit inputs (values in (0, 1]: 11 significant bits), fp32 for fp32 inputs and
+    # under the interpreter (whose fp32 -> 16-bit casts truncate: torch rounds there instead)
+    e_dtype = torch.float32 if interpret or hidden.dtype == torch.float32 else torch.float16
+    e_buf = torch.empty((chunk, v), dtype=e_dtype, device=dev)
+    dz_dtype = e_dtype if interpret else hidden.dtype
+    need_st = opts.softcap is not None
+    st = torch.empty(n if need_st else 0, dtype=torch.float32, device=dev)
+    dz_cfg = configs.store_dz_config(cfg)
+    dbias = torch.empty((triton.cdiv(chunk, dz_cfg.block_m), v) if need_b else (0, 0), dtype=torch.float32,
+                        device=dev)
+    acc_cfg = configs.acc_mm_config(hidden.dtype)
+    precision = _input_precision(hidden.dtype)
+
+    for i, r0 in enumerate(range(0, n, chunk)):
+        rows = slice(r0, min(n, r0 + chunk))
+        m = rows.stop - rows.start
+        h_c, t_c = hidden[rows], target[rows]
+        e = e_buf[:m]
+        part = _forward_pass(h_c, weight, bias, t_c, opts, cfg, num_tiles, 1,
+                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None)
+        dz = e.view(dz_dtype) if dz_dtype.itemsize == e_dtype.itemsize else e
+        lce_store_dz_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
+            e, dz, part, t_c, lse[rows], lse_lo[rows], st[rows] if need_st else None, g[rows], dbias,
+            m, v,
+            e.stride(0), dz.stride(0), dbias.stride(0),
+            int(opts.ignore_index), float(opts.label_smoothing), float(opts.logit_scale), float(opts.z_loss),
+            HAS_SOFTCAP=need_st, NEED_DBIAS=need_b,
+            BLOCK_M=dz_cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=dz_cfg.group_m,
+            num_warps=dz_cfg.num_warps,
+        )
+        dz = dz.to(hidden.dtype)
+        if need_h:
+            _mm_into(grad_h[rows], dz, weight, accumulate=False)
+        if need_w:
+            if fp32_acc:
+                accumulate_grad_hidden(acc_w, dz.t(), h_c, acc_cfg, precision)
+            else:
+                _mm_into(grad_w, dz.t(), h_c, accumulate=i > 0)
+        if need_b:
+            grad_b += dbias[: triton.cdiv(m, dz_cfg.block_m)].sum(dim=0)
+    if fp32_acc:
+        grad_w.copy_(acc_w)
+    total = rows_loss.sum()
+    loss = total / count if reduction == "mean" else total
+    return loss, grad_h, grad_w, grad_b.to(b_dtype)

@@ -1,0 +1,172 @@
+"""Which strategy computes a site's gradients, and how much memory it may hold.
+
+* ``recompute``: the forward keeps O(N) statistics; the backward recomputes the logits.
+  8·N·D·V FLOPs, extra memory O(N·D + one chunk).
+* ``store``: one pass over row chunks computes the loss and, from the same logits, the gradients
+  of the reduced loss; the backward scales them by the incoming scalar. 6·N·D·V FLOPs; holds the
+  gradients from forward to backward, one chunk of logits, and an fp32 weight-gradient
+  accumulator when a low-precision weight would otherwise be rounded after more than
+  ``LOWP_ACCUMULATE_CHUNKS`` row chunks.
+* ``auto`` (default): ``store`` when the reduction allows it and its extra memory fits the budget,
+  else ``recompute``.
+
+``plan`` decides from static facts (shapes, dtypes, reduction, which gradients are needed), so
+the functional API and the graph pass take the same decision, and ``explain`` can show it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import config
+
+STRATEGIES = ("auto", "recompute", "store")
+
+# A bf16/fp16 weight gradient accumulated over row chunks is rounded once per chunk. Measured
+# (benchmarks/RESULTS.md, "store: weight-gradient accumulation"): up to this many chunks the
+# gradient error stays below torch.compile's (which rounds the logits to bf16 first); beyond it
+# the accumulator is fp32 (4·V·D bytes more).
+LOWP_ACCUMULATE_CHUNKS = 2
+CHUNK_ALIGN = 128  # rows per chunk are a multiple of the kernels' row block
+STORE_TILE = 256  # the store kernel's vocabulary tile: per (row, tile) it keeps 16 bytes of partials
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str  # "recompute" | "store"
+    chunk_rows: int = 0  # store: rows per chunk
+    fp32_accumulate: bool = False  # store: weight/bias gradients accumulate in fp32
+    extra_bytes: int = 0  # estimated extra memory of the chosen strategy (at the planned N)
+    reason: str = ""  # why this strategy (shown by explain)
+
+    def describe(self) -> str:
+        if self.strategy == "recompute":
+            return f"recompute ({self.reason})" if self.reason else "recompute"
+        acc = ", fp32 weight-gradient accumulator" if self.fp32_accumulate else ""
+        return f"store (chunks of {self.chunk_rows} rows{acc}, ~{self.extra_bytes / 2**20:.0f} MiB)"
+
+
+def size_hint(x) -> int:
+    """An int for a size that may be a SymInt, from its hint: planning must not add guards."""
+    if isinstance(x, int):
+        return x
+    hint = getattr(getattr(x, "node", None), "hint", None)
+    return int(hint) if hint is not None else 8192  # unbacked: plan for a typical batch
+
+
+def parse_budget(value: str | int | float) -> tuple[str, float]:
+    """A budget as ("bytes", n) or ("logits", fraction): ``"2GiB"``, ``"512MiB"``, ``123456``, or
+    ``"0.5x"`` (that fraction of the [N, V] logits in the input dtype, which torch.compile holds)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        amount, kind = float(value), "bytes"
+    else:
+        text = str(value).strip().replace(" ", "")
+        kind, amount = "bytes", None
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
+        try:
+            if text.lower().endswith("x"):
+                kind, amount = "logits", float(text[:-1])
+            else:
+                for unit, mult in units.items():
+                    if text.lower().endswith(unit):
+                        amount = float(text[: -len(unit)]) * mult
+                        break
+                else:
+                    amount = float(text)
+        except ValueError:
+            amount = None
+        if amount is None:
+            raise ValueError(f"store budget {value!r}: expected bytes (e.g. 2147483648, '2GiB', '512MiB') or a "
+                             "fraction of the logits (e.g. '0.5x')")
+    if not math.isfinite(amount) or amount < 0:
+        raise ValueError(f"store budget {value!r} must be a finite number >= 0")
+    return kind, amount
+
+
+def check_strategy(strategy: str) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    return strategy
+
+
+def store_unsupported(reduction: str, label_smoothing: float, softcap: Optional[float], lse_used: bool,
+                      needs: tuple[bool, bool, bool]) -> Optional[str]:
+    """Why ``store`` cannot run this site, or None."""
+    if reduction not in ("mean", "sum"):
+        return f"reduction={reduction!r}: per-row incoming gradients (store needs a scalar loss)"
+    if lse_used:
+        return "the logsumexp is used elsewhere (its gradient is per row)"
+    if label_smoothing and softcap is not None:
+        return "label smoothing with a softcap (the stored softmax cannot give every column's cap derivative)"
+    if not any(needs):
+        return "no gradient is needed"
+    return None
+
+
+def store_bytes(n: int, d: int, v: int, itemsize: int, weight_itemsize: int, chunk_rows: int,
+                needs: tuple[bool, bool, bool]) -> tuple[int, bool]:
+    """(extra bytes, fp32 accumulator?) of ``store`` with chunks of ``chunk_rows`` rows: the chunk of
+    exp-logits (fp16 for 16-bit inputs, fp32 for fp32), its per-tile partials, the gradients held
+    from forward to backward, and the fp32 accumulator where the precision rule asks for one."""
+    chunks = -(-n // max(1, chunk_rows))
+    need_h, need_w, need_b = needs
+    fp32_acc = weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS and need_w
+    return chunk_rows * _per_row(v, itemsize) + _held(n, d, v, itemsize, weight_itemsize, needs) + (
+        v * d * 4 if fp32_acc else 0), fp32_acc
+
+
+def _per_row(v: int, itemsize: int) -> int:
+    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE)) * 16
+
+
+def _held(n, d, v, itemsize, weight_itemsize, needs) -> int:
+    need_h, need_w, need_b = needs
+    return (n * d * itemsize if need_h else 0) + (v * d * weight_itemsize if need_w else 0) + (
+        v * weight_itemsize if need_b else 0)
+
+
+# N to plan for when the rows are a dynamic size under torch.compile (the decision must not
+# depend on, or guard, a size that changes between calls)
+DYNAMIC_ROWS = 8192
+
+
+def plan(
+    n: Optional[int], d: int, v: int, dtype: torch.dtype, weight_dtype: torch.dtype, *,
+    reduction: str, needs: tuple[bool, bool, bool], label_smoothing: float = 0.0,
+    softcap: Optional[float] = None, lse_used: bool = False,
+    strategy: Optional[str] = None, budget: Optional[str | int | float] = None,
+) -> Plan:
+    """The strategy for one site (``strategy`` and ``budget`` default to ``config``'s); ``n`` None
+    means a dynamic number of rows (planned as DYNAMIC_ROWS)."""
+    strategy = check_strategy(strategy if strategy is not None else config.strategy())
+    kind, amount = parse_budget(budget if budget is not None else config.store_budget())
+    if strategy == "recompute":
+        return Plan("recompute", reason="strategy='recompute'")
+    why = store_unsupported(reduction, label_smoothing, softcap, lse_used, needs)
+    if why:
+        return Plan("recompute", reason="store cannot run: " + why)
+    n = DYNAMIC_ROWS if n is None else max(int(n), 1)
+    itemsize = torch.finfo(dtype).bits // 8
+    w_itemsize = torch.finfo(weight_dtype).bits // 8
+    limit = amount * (n * v * itemsize if kind == "logits" else 1)
+    per_row = _per_row(v, itemsize)
+    free = limit - _held(n, d, v, itemsize, w_itemsize, needs)
+    # the largest chunk that fits (fewer chunks are faster and round a low-precision weight
+    # gradient fewer times): first without an fp32 accumulator, which needs few chunks
+    rows = min(n, int(free // per_row)) if free > 0 else 0
+    rows -= rows % CHUNK_ALIGN if rows < n else 0
+    extra, fp32_acc = store_bytes(n, d, v, itemsize, w_itemsize, rows, needs) if rows > 0 else (0, False)
+    if rows > 0 and fp32_acc:  # too many chunks for the weight dtype: with the accumulator, if it fits
+        acc_free = free - v * d * 4
+        rows = min(n, int(acc_free // per_row)) if acc_free > 0 else 0
+        rows -= rows % CHUNK_ALIGN if rows < n else 0
+        extra, fp32_acc = store_bytes(n, d, v, itemsize, w_itemsize, rows, needs) if rows > 0 else (0, False)
+    if rows > 0 and extra <= limit:
+        return Plan("store", rows, fp32_acc, extra)
+    smallest = store_bytes(n, d, v, itemsize, w_itemsize, min(n, CHUNK_ALIGN), needs)[0]
+    return Plan("recompute", reason="store needs at least %d MiB, over the budget of %d MiB"
+                % (smallest // 2**20, int(limit) // 2**20))

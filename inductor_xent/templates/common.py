@@ -1,0 +1,157 @@
+"""``@triton.jit`` helpers shared by the forward, backward and store kernels: the logit tile (a
+matmul over D with the epilogue bias, scale and softcap), the program-id grouping, and reductions.
+
+The kernels use only Triton builtins and these helpers, never ``triton.language.standard``'s jit
+functions (``tl.cdiv``, ``tl.sum``, ``tl.max``, ``tl.zeros``): those are created when
+``triton.language`` is first imported, so a process that imported triton before setting
+``TRITON_INTERPRET=1`` (a test session where torch._inductor loaded first) would hold
+compiled-mode versions that the interpreter refuses to call. ``tl.reduce`` with our own combine
+functions generates the same code.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+# Running max before any column is seen: finite, so that exp(m_old - m_new) of an empty split is
+# exp(0) * 0 rather than exp(-inf + inf) = NaN; far below any logit a float32 can make useful.
+M_INIT = tl.constexpr(-1.0e30)
+# DOT_UPCAST (a constexpr of every matmul kernel) is True only under TRITON_INTERPRET=1: Triton
+# 3.6's interpreter multiplies the raw uint16 storage of bf16 operands in tl.dot (a 16x16 bf16 dot
+# came out 2.7e10 off), so there the operands go to fp32 first. A bf16 x bf16 product is exact in
+# fp32, so this is the same math as the tensor cores up to the order of the sum.
+
+# tanh below this |x| comes from an odd polynomial (Cephes' tanhf: relative error ~1e-7 there),
+# above it from exp: 1 - 2/(e^{2|x|} + 1) has no cancellation once tanh(|x|) >= 0.55. The single
+# exp formula everywhere loses ~1e-5 relative near 0 (1 - 2/(e^{2x}+1) cancels).
+TANH_POLY_BELOW = tl.constexpr(0.625)
+
+
+@triton.jit
+def add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def cdiv(a, b):
+    return (a + b - 1) // b
+
+
+@triton.jit
+def softcap_tanh(x):
+    """(tanh(x), sech²(x)) in fp32 from one exp, both to a few ulp relative: sech² = 4u/(1+u)² with
+    u = e^{-2|x|} does not cancel where tanh saturates (1 - tanh² there loses every digit)."""
+    ax = tl.abs(x)
+    u = tl.exp2(ax * (-2.0 * LOG2E))
+    one_u = 1.0 + u
+    big = (1.0 - u) / one_u
+    s = x * x
+    poly = ((((-5.70498872745e-3 * s + 2.06390887954e-2) * s - 5.37397155531e-2) * s + 1.33314422036e-1) * s
+            - 3.33332819422e-1) * s * ax + ax
+    t = tl.where(ax < TANH_POLY_BELOW, poly, big)
+    t = tl.where(x < 0.0, -t, t)
+    return t, 4.0 * u / (one_u * one_u)
+
+
+@triton.jit
+def grouped_pid(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Map a linear program id to (row block, column block) so that consecutive programs share
+    column blocks (the W tiles) across GROUP_M row blocks: W is read from DRAM num_pid_m/GROUP_M
+    times instead of num_pid_m times, and a group's hidden blocks stay in L2."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_m = group_id * GROUP_M
+    group_size_m = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def logits_tile(
+    h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """acc[BLOCK_M, BLOCK_N] = hidden_rows @ weight_cols.T over the whole D, fp32 accumulate.
+    ``h_ptrs`` is [BLOCK_M, BLOCK_K], ``w_ptrs`` [BLOCK_K, BLOCK_N], both at k = 0; rows and
+    columns were clamped in bounds by the caller, so only the D tail needs a mask."""
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            a = tl.load(h_ptrs)
+            b = tl.load(w_ptrs)
+        else:
+            k_mask = offs_k < D - k
+            a = tl.load(h_ptrs, mask=k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None], other=0.0)
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        h_ptrs += BLOCK_K * stride_h_d
+        w_ptrs += BLOCK_K * stride_w_d
+    return acc
+
+
+@triton.jit
+def logits_tile_tma(h_desc, w_desc, off_m, off_v, D,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """logits_tile through TMA descriptors (Hopper's bulk tensor copies): rows, columns and the D
+    tail out of bounds read as zeros, and no address arithmetic is held in registers."""
+    acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
+        a = h_desc.load([off_m, k])
+        b = w_desc.load([off_v, k])
+        if DOT_UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def tile_logits(
+    hidden_ptr, weight_ptr, off_m, rows, off_v, offs_v, D, stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """The raw logit tile hidden[rows] @ weight[off_v : off_v + BLOCK_N].T (fp32), through TMA
+    descriptors (hidden_ptr / weight_ptr are descriptors then) or clamped pointers."""
+    if USE_TMA:
+        acc = logits_tile_tma(hidden_ptr, weight_ptr, off_m, off_v, D,
+                              BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+    else:
+        cols = tl.minimum(offs_v, V - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        h_ptrs = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
+        w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
+        acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+    return acc
+
+
+@triton.jit
+def apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap,
+                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """(z, dz/dz_raw without the scale) with z = softcap * tanh((acc + bias) * logit_scale / softcap):
+    the second is sech² of the capped argument, and 1.0 when there is no cap."""
+    z = acc
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)
+        z = z + b[None, :]
+    z = z * logit_scale
+    sech2 = 1.0
+    if HAS_SOFTCAP:
+        t, sech2 = softcap_tanh(z / softcap)
+        z = softcap * t
+    return z, sech2

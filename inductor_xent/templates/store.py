@@ -1,0 +1,80 @@
+"""The ``store`` strategy's dlogits kernel: the softmax gradient from the stored exp-logits.
+
+Per row chunk the store strategy runs (launch.store):
+
+1. ``lce_fwd_kernel`` in store mode, one vocabulary tile per program: the per-(row, tile) partials
+   (tile max ``m_t``, sum-exp, target logit, Σz, the target's sech²) and the tile
+   ``E = exp(z − m_t)`` (times sech² of the capped argument under a softcap), fp16 for bf16/fp16
+   inputs (E ∈ (0, 1]: fp16 keeps 11 bits where bf16 keeps 8), fp32 for fp32 inputs;
+2. ``lce_combine_kernel``: loss, lse, lse_lo per row;
+3. ``lce_store_dz_kernel`` (this file), in place over E: with ``r = exp((m_t − lse) − lse_lo)`` the
+   softmax is ``p = E·r`` and
+
+       oh = (1 − ε)·onehot(t)·sech²(x_t) + ε/V       (ε/V only without a softcap)
+       dz = ((g + c)·(E·r − oh) + c·oh) · logit_scale,   c = 2·z_loss·lse·g
+
+   written in the input dtype over E (same size), plus per-row-block column sums for grad_bias;
+4. cuBLAS: grad_hidden[chunk] = dz·W (one GEMM, complete for these rows) and
+   grad_weight += dzᵀ·h (fp32 accumulate inside the GEMM).
+
+2·N·D·V FLOPs per GEMM, three GEMMs: 6·N·D·V in all. The E tile is written from registers that
+the forward computes anyway (it is the online logsumexp's exp), so the forward costs what the
+recompute strategy's forward costs plus one [N, V] store in 16 bits.
+
+A softcap with label smoothing is not offered (strategy.py): the ε/V term needs sech² of every
+column, and E underflows (to 0) for columns far below the tile max, which loses their z.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import LOG2E, add_combine, cdiv, grouped_pid
+
+
+@triton.jit
+def lce_store_dz_kernel(
+    # pointers: e (input, [N, V] exp-logits) and dz (output, the same memory in the input dtype)
+    e_ptr, dz_ptr, part_ptr, target_ptr, lse_ptr, lse_lo_ptr, st_ptr, grad_ptr, dbias_ptr,
+    # sizes
+    N, V,
+    # strides
+    stride_e_n, stride_dz_n, stride_db_m,
+    # loss options
+    ignore_index, label_smoothing, logit_scale, z_loss,
+    # meta-parameters
+    HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] tile; BLOCK_N is the forward's tile, so the tile's max is part[0]."""
+    num_tiles = cdiv(V, BLOCK_N)
+    pid_m, pid_n = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), num_tiles, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = offs_m < N
+    rows = tl.minimum(offs_m, N - 1).to(tl.int64)
+    offs_v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = offs_v < V
+    live = row_mask[:, None] & col_mask[None, :]
+
+    tgt = tl.load(target_ptr + rows)
+    lse = tl.load(lse_ptr + rows)
+    lse_lo = tl.load(lse_lo_ptr + rows)
+    m_t = tl.load(part_ptr + pid_n.to(tl.int64) * N + rows)
+    g = tl.where(tgt != ignore_index, tl.load(grad_ptr + rows), 0.0)
+    c = 2.0 * z_loss * lse * g
+    r = tl.exp2(((m_t - lse) - lse_lo) * LOG2E)
+
+    e = tl.load(e_ptr + rows[:, None] * stride_e_n + offs_v[None, :], mask=live, other=0.0).to(tl.float32)
+    hit = offs_v[None, :] == tgt[:, None]
+    if HAS_SOFTCAP:
+        st = tl.load(st_ptr + rows)
+        oh = tl.where(hit, ((1.0 - label_smoothing) * st)[:, None], 0.0)
+    else:
+        oh = tl.where(hit, 1.0 - label_smoothing, 0.0) + label_smoothing / V
+    dz = ((g + c)[:, None] * (e * r[:, None] - oh) + c[:, None] * oh) * logit_scale
+    dz = tl.where(live, dz, 0.0)
+    tl.store(dz_ptr + rows[:, None] * stride_dz_n + offs_v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=live)
+    if NEED_DBIAS:
+        tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_v, tl.reduce(dz, 0, add_combine),
+                 mask=col_mask)
