@@ -12,6 +12,10 @@ our own keys, prefixed ``xent.``:
   ``aot_eager`` runs AOTAutograd with Inductor's decompositions and partitioner but no code
   generation: fast CPU tests.
 * ``xent.enable`` (bool, default True): False skips the rewrite (A/B comparisons).
+* ``xent.strategy`` (``"auto"`` default | ``"recompute"`` | ``"store"``) and ``xent.store_budget``
+  (bytes, ``"2GiB"``, or a fraction of the logits, ``"0.5x"``): how fused sites compute their
+  gradients (inductor_xent/strategy.py); default from ``INDUCTOR_XENT_STRATEGY`` /
+  ``INDUCTOR_XENT_STORE_BUDGET``.
 """
 
 from __future__ import annotations
@@ -19,18 +23,20 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
-from . import compat, patterns
+from . import compat, patterns, strategy
 from .inductor_pass import CACHE_SALT
 
 log = logging.getLogger(__name__)
 
-XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool}
+XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool, "strategy": str,
+                "store_budget": (str, int, float)}
 INNER = ("inductor", "aot_eager")
 
 
 def split_options(options: Optional[dict]) -> tuple[dict, dict]:
     """(our ``xent.*`` options without the prefix, Inductor's options), validating ours."""
-    ours, theirs = {"allow_escaping_logits": False, "inner": "inductor", "enable": True}, {}
+    ours, theirs = {"allow_escaping_logits": False, "inner": "inductor", "enable": True, "strategy": None,
+                    "store_budget": None}, {}
     for key, value in (options or {}).items():
         if not key.startswith("xent."):
             theirs[key] = value
@@ -39,11 +45,16 @@ def split_options(options: Optional[dict]) -> tuple[dict, dict]:
         if name not in XENT_OPTIONS:
             raise ValueError(f"unknown inductor_xent option {key!r}; known: "
                              + ", ".join(f"xent.{k}" for k in XENT_OPTIONS))
-        if not isinstance(value, XENT_OPTIONS[name]):
-            raise TypeError(f"option {key!r} must be {XENT_OPTIONS[name].__name__}, got {value!r}")
+        kinds = XENT_OPTIONS[name] if isinstance(XENT_OPTIONS[name], tuple) else (XENT_OPTIONS[name],)
+        if not isinstance(value, kinds) or isinstance(value, bool) and bool not in kinds:
+            raise TypeError(f"option {key!r} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
         ours[name] = value
     if ours["inner"] not in INNER:
         raise ValueError(f"option 'xent.inner' must be one of {INNER}, got {ours['inner']!r}")
+    if ours["strategy"] is not None:
+        strategy.check_strategy(ours["strategy"])
+    if ours["store_budget"] is not None:
+        strategy.parse_budget(ours["store_budget"])
     return ours, theirs
 
 
@@ -69,7 +80,8 @@ def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Op
     ours, theirs = split_options(options)
     patches = config_patches(mode, theirs)  # validates Inductor's keys whichever inner compiler runs
     if ours["enable"]:
-        patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"])
+        patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"], strategy=ours["strategy"],
+                     store_budget=ours["store_budget"])
     if ours["inner"] == "aot_eager":
         return compat.aot_eager(gm, example_inputs)
     return compat.compile_fx(gm, example_inputs, patches)

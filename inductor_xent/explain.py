@@ -43,12 +43,13 @@ class Report:
                 f"{self.graph_break_count} graph break(s)")
         lines = [head]
         if self.sites:
-            cols = ("pattern", "fused", "rows x vocab x dim", "dtype", "logits MiB", "avoided MiB", "reason")
+            cols = ("pattern", "fused", "rows x vocab x dim", "dtype", "logits MiB", "avoided MiB", "strategy",
+                    "reason")
             rows = [cols]
             for s in self.sites:
                 rows.append((
                     s.pattern, "yes" if s.fused else "no", f"{s.rows} x {s.vocab} x {s.hidden_dim}",
-                    s.dtype or "?", _mib(s.logits_bytes), _mib(s.bytes_avoided), s.reason,
+                    s.dtype or "?", _mib(s.logits_bytes), _mib(s.bytes_avoided), _strategy_word(s), s.reason,
                 ))
             widths = [max(len(r[i]) for r in rows) for i in range(len(cols) - 1)]
             for r in rows:
@@ -58,6 +59,15 @@ class Report:
         if self.logits_escape:
             lines.append("note: " + ESCAPE_HINT + ".")
         return "\n".join(lines)
+
+
+def _strategy_word(site) -> str:
+    """'store ~N MiB' / 'recompute' in the table; the reason column has the whole description."""
+    if not site.fused:
+        return "-"
+    if site.strategy.startswith("store"):
+        return f"store ~{_mib(site.extra_bytes)} MiB"
+    return "recompute"
 
 
 def _mib(n) -> str:

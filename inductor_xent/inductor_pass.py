@@ -47,24 +47,32 @@ class CacheSalt(CustomGraphPass):
 class XentPass(CustomGraphPass):
     """The rewrite, run by Inductor on the Dynamo graph before AOTAutograd."""
 
-    def __init__(self, allow_escaping_logits: bool = False):
+    def __init__(self, allow_escaping_logits: bool = False, strategy: Optional[str] = None, store_budget=None):
         self.allow_escaping_logits = allow_escaping_logits
+        self.strategy = strategy
+        self.store_budget = store_budget
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from . import patterns
 
-        patterns.run(graph.owning_module, allow_escaping_logits=self.allow_escaping_logits)
+        patterns.run(graph.owning_module, allow_escaping_logits=self.allow_escaping_logits, strategy=self.strategy,
+                     store_budget=self.store_budget)
 
     def uuid(self) -> Optional[Any]:
-        return ("inductor_xent.XentPass", self.allow_escaping_logits, source_hash())
+        from . import config
+
+        # the strategy knobs change the rewrite: they are part of the cache key (env defaults included)
+        knobs = (self.strategy or config.strategy(), str(self.store_budget or config.store_budget()))
+        return ("inductor_xent.XentPass", self.allow_escaping_logits, knobs, source_hash())
 
 
 CACHE_SALT = CacheSalt()
 _installed: list = []  # [(XentPass, CacheSalt)] while installed
 
 
-def install(*, allow_escaping_logits: bool = False) -> None:
-    """Run our pass for every ``torch.compile(..., backend="inductor")`` from now on.
+def install(*, allow_escaping_logits: bool = False, strategy: Optional[str] = None, store_budget=None) -> None:
+    """Run our pass for every ``torch.compile(..., backend="inductor")`` from now on
+    (``strategy`` / ``store_budget``: as the backend's ``xent.*`` options).
 
     Appends it to ``torch._inductor.config.pre_grad_custom_pass`` (after any pass of the user's,
     which keeps running) and adds the cache salt to ``joint_custom_pre_pass``. Idempotent; undo with
@@ -72,8 +80,14 @@ def install(*, allow_escaping_logits: bool = False) -> None:
     """
     from torch._inductor import config as ic
 
+    from . import strategy as _strategy
+
+    if strategy is not None:
+        _strategy.check_strategy(strategy)
+    if store_budget is not None:
+        _strategy.parse_budget(store_budget)
     uninstall()
-    ours = XentPass(allow_escaping_logits)
+    ours = XentPass(allow_escaping_logits, strategy, store_budget)
     ic.pre_grad_custom_pass = compat.add_pass(ic.pre_grad_custom_pass, ours)
     ic.joint_custom_pre_pass = compat.add_pass(ic.joint_custom_pre_pass, CACHE_SALT)
     _installed.append(ours)

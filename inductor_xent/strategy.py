@@ -168,5 +168,5 @@ def plan(
     if rows > 0 and extra <= limit:
         return Plan("store", rows, fp32_acc, extra)
     smallest = store_bytes(n, d, v, itemsize, w_itemsize, min(n, CHUNK_ALIGN), needs)[0]
-    return Plan("recompute", reason="store needs at least %d MiB, over the budget of %d MiB"
-                % (smallest // 2**20, int(limit) // 2**20))
+    return Plan("recompute", reason=f"store needs at least {smallest // 2**20} MiB, over the budget of "
+                                    f"{int(limit) // 2**20} MiB")

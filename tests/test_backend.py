@@ -29,8 +29,15 @@ def test_entry_point_registers_backend():
 
 def test_options_split_and_validate():
     ours, theirs = backend.split_options({"xent.inner": "aot_eager", "max_autotune": True})
-    assert ours == {"allow_escaping_logits": False, "inner": "aot_eager", "enable": True}
+    assert ours == {"allow_escaping_logits": False, "inner": "aot_eager", "enable": True, "strategy": None,
+                    "store_budget": None}
     assert theirs == {"max_autotune": True}
+    ours, _ = backend.split_options({"xent.strategy": "store", "xent.store_budget": "2GiB"})
+    assert ours["strategy"] == "store" and ours["store_budget"] == "2GiB"
+    with pytest.raises(ValueError, match="strategy must be one of 'auto', 'recompute', 'store', got 'fastest'"):
+        backend.split_options({"xent.strategy": "fastest"})
+    with pytest.raises(ValueError, match="store budget -5 must be a finite number >= 0"):
+        backend.split_options({"xent.store_budget": -5})
     with pytest.raises(ValueError, match="unknown inductor_xent option 'xent.nope'"):
         backend.split_options({"xent.nope": 1})
     with pytest.raises(TypeError, match="'xent.allow_escaping_logits' must be bool"):

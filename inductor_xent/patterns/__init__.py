@@ -25,7 +25,7 @@ import torch
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from .. import config, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
+from .. import config, ops, strategy
 from ..options import FLOAT_DTYPES
 from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
 from ._fx import Emitter, hint, same, tval
@@ -61,10 +61,14 @@ class Site:
     logits_bytes: Optional[int] = None  # one [N, V] logits tensor in that dtype (at the example sizes)
     bytes_avoided: int = 0  # [N, V]-sized buffers the rewritten forward no longer materialises
     logits_escape: bool = False  # the logits are a graph output
+    strategy: str = ""  # how a fused site computes its gradients (strategy.Plan.describe())
+    extra_bytes: Optional[int] = None  # the strategy's estimated extra memory (at the example sizes)
 
 
-def run(gm: GraphModule, *, allow_escaping_logits: bool = False) -> list[Site]:
-    """Rewrite every supported site of ``gm`` in place; return one ``Site`` per candidate."""
+def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optional[str] = None,
+        store_budget=None) -> list[Site]:
+    """Rewrite every supported site of ``gm`` in place; return one ``Site`` per candidate.
+    ``strategy`` / ``store_budget`` override ``config``'s (see inductor_xent/strategy.py)."""
     graph = gm.graph
     if config.dump_graphs():
         log.info("inductor_xent: graph before the pass:\n%s", gm.print_readable(print_output=False))
@@ -84,6 +88,9 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False) -> list[Site]:
             continue
         site, found, chain, plan = analysed
         if plan is not None:  # rewrite (not guarded: a failure half way must not be swallowed)
+            plan["strategy"] = _strategy(found, chain, plan, strategy, store_budget)
+            site.strategy = plan["strategy"].describe()
+            site.extra_bytes = plan["strategy"].extra_bytes if plan["strategy"].strategy == "store" else None
             site.bytes_avoided = _rewrite(gm, found, chain, plan, erased)
             site.fused = True
             site.reason = _fused_reason(found, chain, plan)
@@ -173,6 +180,7 @@ def _fused_reason(site: LossSite, chain: _logits.Logits, plan: dict) -> str:
         parts.append(f"{len(plan['lse_users'])} logsumexp mapped onto the op's lse")
     if plan["escapes"]:
         parts.append("logits still materialised for their other users (allow_escaping_logits)")
+    parts.append("strategy " + plan["strategy"].describe())
     return "fused: " + ", ".join(parts)
 
 
@@ -259,6 +267,20 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
     return sorted(late, key=order.__getitem__)
 
 
+def _strategy(site: LossSite, chain: _logits.Logits, plan: dict, which, budget) -> strategy.Plan:
+    """The gradient strategy of a site about to be rewritten (strategy.plan, from the example values'
+    sizes as hints and their requires_grad: which gradients the graph will ask for)."""
+    tx, tw = tval(chain.hidden), tval(chain.weight)
+    d = tw.shape[1] if chain.weight_is_vd else tw.shape[0]
+    v = tw.shape[0] if chain.weight_is_vd else tw.shape[1]
+    n = _numel_hint(tx)
+    n = None if n is None else n // max(1, hint(d) or 1)
+    return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, tx.dtype, tw.dtype,
+                         reduction="none" if site.negate else site.reduction, needs=_needs(chain),
+                         label_smoothing=site.label_smoothing, softcap=chain.softcap,
+                         lse_used=bool(plan["lse_users"]), strategy=which, budget=budget)
+
+
 _GRAD_MODE = {torch._C._set_grad_enabled}
 
 
@@ -313,8 +335,18 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
     weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
     target1d = site.target if tval(site.target).dim() == 1 else e.method("reshape", site.target, -1)
+    chosen: strategy.Plan = plan["strategy"]
+    if chosen.strategy == "store":  # the reduced loss; its gradients are computed in the same op
+        out = e.call(
+            ops.STORE, hidden2d, weight, chain.bias, target1d,
+            int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
+            None if chain.softcap is None else float(chain.softcap), 0.0, site.reduction, chosen.chunk_rows,
+            *_needs(chain),
+        )
+        site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
+        return _erase_dead(gm, site, chain, plan, erased)
     out = e.call(
-        torch.ops.inductor_xent.linear_ce_fwd.default, hidden2d, weight, chain.bias, target1d,
+        ops.FORWARD, hidden2d, weight, chain.bias, target1d,
         int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
         None if chain.softcap is None else float(chain.softcap), 0.0,
     )
@@ -349,8 +381,21 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
             if keepdim:
                 value = e.method("unsqueeze", value, -1)
         u.replace_all_uses_with(_cast_like(e, value, u))
+    return _erase_dead(gm, site, chain, plan, erased)
 
-    # erase what became dead (and only that: escaping logits stay for their other users)
+
+def _needs(chain: _logits.Logits) -> tuple[bool, bool, bool]:
+    """(needs_hidden, needs_weight, needs_bias) of the store op: what the graph will ask for."""
+    grad = tval(chain.matmul).requires_grad
+    tb = tval(chain.bias) if chain.bias is not None else None
+    return (bool(grad and tval(chain.hidden).requires_grad), bool(grad and tval(chain.weight).requires_grad),
+            bool(grad and tb is not None and tb.requires_grad))
+
+
+def _erase_dead(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set) -> int:
+    """Erase what became dead (and only that: escaping logits stay for their other users); the
+    bytes of [N, V]-sized buffers no longer computed."""
+    graph = gm.graph
     candidates = [site.loss, *plan["lse_users"], *site.consumed, *site.aux, *reversed(chain.nodes)]
     # the matmul's own operand nodes (e.g. ``W.t()``, whatever the argument order: einsum puts the
     # equation first); each is erased only if nothing else uses it
