@@ -54,6 +54,18 @@ def _matmul_model(mutate):
     return fn
 
 
+def _module_model(mutate):
+    """The same with an ``nn.Linear`` lm_head passed as ``W``: its weight is an ``nn.Parameter``."""
+
+    def fn(x, head, y, u):
+        h = x * 1
+        z = head(h)
+        mutate(h, head.weight, y, u)
+        return F.cross_entropy(z.view(-1, V), y.view(-1))
+
+    return fn
+
+
 def _z_loss_model(mutate):
     """PaLM-style z-loss: the logsumexp comes first, so the fused op sits there (before the write)
     while eager's cross_entropy reads the targets after it."""
@@ -105,6 +117,11 @@ def _weight_data_assign(h, W, y, u):
     W.data = W.data * 2
 
 
+def _no_grad_update(h, W, y, u):
+    with torch.no_grad():  # as an optimizer does: allowed on a parameter that requires grad
+        W.mul_(2)
+
+
 def _targets_setitem(h, W, y, u):
     y[0] = -100
 
@@ -118,7 +135,7 @@ def _logits_inplace(x, W, y, u):
 _ROWS = (torch.tensor([0, 3]),)  # index_put_ indices: rows 0 and 3 of h.view(-1, D)
 
 
-def case(fn, grad, expect, words="", inner="aot_eager", ignore=True, alias=False):
+def case(fn, grad, expect, words="", inner="aot_eager", ignore=True, alias=False, module=False):
     """One row of ``CASES``.
 
     grad: the leaf that requires grad ("x": the hidden states' source, "W": the weight) or None
@@ -130,8 +147,10 @@ def case(fn, grad, expect, words="", inner="aot_eager", ignore=True, alias=False
     ignore: whether some targets are ignore_index (-100); off where the write or one_hot needs
         class ids.
     alias: pass ``x.view(-1)`` as ``u`` (an alias of the hidden states as another argument).
+    module: pass an ``nn.Linear`` holding the weight as ``W``.
     """
-    return dict(fn=fn, grad=grad, expect=expect, words=words, inner=inner, ignore=ignore, alias=alias)
+    return dict(fn=fn, grad=grad, expect=expect, words=words, inner=inner, ignore=ignore, alias=alias,
+                module=module)
 
 
 CASES = {
@@ -201,6 +220,10 @@ CASES = {
     # an optimizer-like foreach update of the weight
     "weight_foreach": case(_model(lambda h, W, y, u: torch._foreach_add_([W], [W])), None, "declined",
                        "torch._foreach_add_ writes the weight"),
+    # an nn.Linear's weight parameter updated under no_grad between (the write comes first, so
+    # the reason names it rather than the grad-mode change)
+    "parameter_no_grad_update": case(_module_model(_no_grad_update), "W", "declined",
+                                     "Tensor.mul_ writes the weight", module=True),
     # W.data.mul_(2): allowed on a parameter that requires grad
     "weight_data_inplace": case(_model(lambda h, W, y, u: W.data.mul_(2)), "W", "declined",
                             "Tensor.mul_ writes the weight"),
@@ -260,14 +283,22 @@ def _inputs(row):
     u = torch.randn(B, T, D, generator=g)
     if row["alias"]:
         u = x.view(-1)
+    if row["module"]:
+        head = torch.nn.Linear(D, V, bias=False)
+        head.weight.data.copy_(W)
+        W = head
     return x, W, y, u
+
+
+def _leaves(x, W):
+    return {"x": x, "W": W.weight if isinstance(W, torch.nn.Module) else W}
 
 
 def _call(row, compiled):
     x, W, y, u = _inputs(row)
     grad = row["grad"]
-    if grad is not None:
-        {"x": x, "W": W}[grad].requires_grad_(True)
+    for k, t in _leaves(x, W).items():
+        t.requires_grad_(k == grad)
     fn = row["fn"]
     if compiled:
         fn = torch.compile(fn, backend="inductor_xent", options={"xent.inner": row["inner"]})
@@ -275,8 +306,8 @@ def _call(row, compiled):
         loss = fn(x, W, y, u)
     grads = {}
     if grad is not None:
-        (grads[grad],) = torch.autograd.grad(loss, {"x": x, "W": W}[grad])
-    return loss.detach(), grads, [t.detach() for t in (x, W, y, u)]
+        (grads[grad],) = torch.autograd.grad(loss, _leaves(x, W)[grad])
+    return loss.detach(), grads, [t.detach() for t in (x, _leaves(x, W)["W"], y, u)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -293,8 +324,8 @@ def test_write_declines_or_fuses_exactly(name):
     assert counters["inductor_xent"]["sites_fused"] == (row["expect"] == "fused")
 
     x, W, y, u = _inputs(row)
-    if row["grad"] is not None:
-        {"x": x, "W": W}[row["grad"]].requires_grad_(True)
+    for k, t in _leaves(x, W).items():
+        t.requires_grad_(k == row["grad"])
     with torch.set_grad_enabled(row["grad"] is not None):
         report = inductor_xent.explain(row["fn"], x, W, y, u)
     if row["expect"] == "fused":
