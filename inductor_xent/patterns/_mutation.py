@@ -138,7 +138,8 @@ def _inplace_flag(node: Node) -> bool:
     except TypeError:
         return True  # cannot tell which argument is the flag: assume it is set
     flag = bound.arguments.get("inplace", False)
-    return flag is not False and flag is not None and flag != 0
+    # a Node or SymBool counts as set; never bool() it (a guard on a symbolic flag)
+    return not (flag is None or (isinstance(flag, (bool, int)) and not flag))
 
 
 @functools.cache
@@ -197,10 +198,6 @@ def _schema_writes(node: Node, schema) -> list:
         elif kind == "list" and isinstance(value, (list, tuple)):
             written.extend(_nodes(value))
     return written
-
-
-def _optional(t) -> bool:
-    return isinstance(t, torch._C.OptionalType)
 
 
 def _tensor_kind(t) -> Optional[str]:
