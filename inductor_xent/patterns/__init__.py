@@ -27,7 +27,7 @@ from torch.fx import GraphModule, Node
 
 from .. import config, ops, strategy
 from ..options import FLOAT_DTYPES
-from . import _logits, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
+from . import _logits, _mutation, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
 from ._fx import Emitter, hint, same, tval
 from ._site import NO_IGNORE, Decline, LossSite
 
@@ -225,6 +225,15 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     for n in site.needs_lse_of:
         if n not in lse_users:
             return "the logsumexp does not read the same logits as the gather"
+    # where the op goes: before the loss and before every logsumexp it replaces
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    anchor = min([site.loss, *lse_users], key=order.__getitem__)
+    inputs = [chain.hidden, chain.weight, chain.bias, site.target, site.shape_ref]
+    late = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
+    # before the escape check: with allow_escaping_logits a write would still be fused wrongly
+    written = _written_between(gm, order, site, chain, lse_users, late or ())
+    if written:
+        return written
     if escapes:
         to_output = any(u.op == "output" for u in escapes)
         if not allow_escaping:
@@ -232,14 +241,9 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
                 return ESCAPE_REASON
             names = ", ".join(sorted({u.name for u in escapes}))
             return f"the logits have other users ({names}); options={{'xent.allow_escaping_logits': True}} fuses anyway"
-    # where the op goes: before the loss and before every logsumexp it replaces
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    anchor = min([site.loss, *lse_users], key=order.__getitem__)
-    inputs = [chain.hidden, chain.weight, chain.bias, site.target, site.shape_ref]
-    late = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
     if late is None:
         return "the targets are computed after a logsumexp of the logits"
-    unsafe = _unsafe_between(gm, order, chain, anchor)
+    unsafe = _grad_mode_between(gm, order, chain, anchor)
     if unsafe:
         return unsafe
     return {
@@ -259,8 +263,8 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
         n = stack.pop()
         if n in late:
             continue
-        if (n.op not in ("call_function", "call_method") or n.is_impure() or _is_inplace(n) or n is anchor
-                or len(late) > 32):
+        if (n.op not in ("call_function", "call_method") or n.is_impure() or _mutation.writes(n)
+                or n is anchor or len(late) > 32):
             return None
         late.add(n)
         stack.extend(m for m in n.all_input_nodes if order[m] >= order[anchor])
@@ -284,32 +288,80 @@ def _strategy(site: LossSite, chain: _logits.Logits, plan: dict, which, budget) 
 _GRAD_MODE = {torch._C._set_grad_enabled}
 
 
-def _unsafe_between(gm, order, chain: _logits.Logits, anchor: Node) -> Optional[str]:
+def _grad_mode_between(gm, order, chain: _logits.Logits, anchor: Node) -> Optional[str]:
     """A reason when moving the matmul's work down to ``anchor`` could change what it computes:
-    an in-place update of its inputs, or a grad-mode change (``with torch.no_grad():`` around the
-    lm_head only) in between."""
-    watched = {chain.hidden, chain.weight, chain.bias} - {None}
+    a grad-mode change (``with torch.no_grad():`` around the lm_head only) in between."""
     lo, hi = order[chain.matmul], order[anchor]
-    storages = [_storage(w) for w in watched]
     for n in gm.graph.nodes:
-        if not lo < order[n] < hi:
-            continue
-        if n.op == "call_function" and n.target in _GRAD_MODE:
+        if lo < order[n] < hi and n.op == "call_function" and n.target in _GRAD_MODE:
             return "the grad mode changes between the lm_head matmul and the loss"
-        if _is_inplace(n) and n.args and isinstance(n.args[0], Node):
-            # the op reads hidden/weight/bias at the loss: an update of any alias of them (a view
-            # updated in place) in between would change what it reads
-            mutated = _storage(n.args[0])
-            if n.args[0] in watched or mutated is None or None in storages or any(
-                    mutated is st for st in storages):
-                return "an in-place update of the hidden states or weight between the matmul and the loss"
     return None
 
 
-def _is_inplace(n: Node) -> bool:
-    name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "")
-    return isinstance(name, str) and ((name.endswith("_") and not name.endswith("__")) or name in (
-        "setitem", "iadd", "imul", "isub", "itruediv"))
+def _written_between(gm, order, site: LossSite, chain: _logits.Logits, lse_users, hoisted) -> Optional[str]:
+    """A reason when a write could change what the rewrite computes.
+
+    The op reads the hidden states, weight, bias and targets where it is placed (before the loss
+    and the logsumexps it replaces); eager read them at the matmul and at the idiom's own nodes
+    (``one_hot(y)``, a gather). So no node from the first of those reads to the last node replaced
+    may write a tensor sharing storage with any of them, with the logits the replaced nodes read,
+    or with the inputs of a target computation hoisted up to the op; and no replaced node may
+    write anything (the write would vanish). When the loss requires grad, no later node may write
+    the hidden states, weight, bias or targets either: the op saves all four for its backward,
+    which would then fail where eager's (saving only what each gradient needs) may not. Which op
+    writes what comes from its schema (``_mutation.writes``), storages from the example values (a
+    view shares its base's); an unknown storage declines.
+    """
+    reads = {chain.hidden: "the hidden states", chain.weight: "the weight", chain.bias: "the bias",
+             site.target: "the targets"}
+    for n in (*chain.nodes, *site.consumed):
+        reads.setdefault(n, "the logits")
+    for n in (*site.aux, *hoisted):  # one_hot(y) and its casts; target computations moved up
+        reads.setdefault(n, "the targets")
+    for n in hoisted:
+        for m in n.all_input_nodes:
+            reads.setdefault(m, "the targets")  # what they are computed from
+    reads.pop(None, None)
+    replaced = {site.loss, *lse_users, *chain.nodes, *site.consumed, *site.aux}
+    lo = min(order[n] for n in (chain.matmul, *site.consumed, *site.aux))
+    hi = max(order[n] for n in (site.loss, *lse_users, *hoisted))
+    # the op saves hidden/weight/bias/targets for its backward (whatever requires grad), where eager's
+    # linear saves only what the other operand's gradient needs: a later write would fail backward
+    saved = [chain.hidden, chain.weight, chain.bias, site.target] if tval(site.loss).requires_grad else []
+    storages = [(_storage(r), what) for r, what in reads.items()]
+    saved_storages = [(_storage(r), reads[r]) for r in saved if r is not None]
+    swapped = next((n for n in gm.graph.nodes if _mutation.swaps_storage(n)), None)
+    for n in gm.graph.nodes:
+        if order[n] < lo:
+            continue
+        between = order[n] <= hi
+        for w in _mutation.writes(n):
+            op = _mutation.spelling(n)
+            where = "between the lm_head matmul and the loss" if between else (
+                "after the loss, and the fused op's backward reads it (eager's may not)")
+            if between and w in reads:
+                return f"{op} writes {reads[w]} {where}"
+            if between and n in replaced:
+                return f"{op} writes {w.name}, and the fused op would replace it"
+            what = _aliased(w, storages if between else saved_storages, swapped)
+            if what:
+                return f"{op} writes {what} {where}"
+    return None
+
+
+def _aliased(w: Node, storages: list, swapped: Optional[Node]) -> Optional[str]:
+    """What ``w`` may alias among ``storages`` ((storage, what) pairs), or None."""
+    if not storages:
+        return None
+    if swapped is not None:  # storages are as the trace left them, not as they were at the write
+        return f"{w.name} (aliasing unknown: {_mutation.spelling(swapped)} in the graph)"
+    mutated = _storage(w)
+    for st, what in storages:
+        if mutated is None or st is None:
+            return f"{w.name} (storage unknown)"
+        if st is mutated:
+            return what
+    return None
 
 
 def _storage(node: Node):

@@ -1,0 +1,213 @@
+"""Which tensors a node of a Dynamo graph may write, decided from operator schemas, not op names.
+
+The rewrite reads the hidden states, weight, bias and targets where the loss is, not where the
+matmul was; a write in between changes what it reads. Dynamo graphs spell writes many ways:
+``torch.mul(h, 3, out=h)`` (a pure-looking name), ``h.mul_(3)``, ``torch.relu_(h)``,
+``F.relu(h, inplace=True)``, ``h += 1`` (``operator.iadd``), ``h[:, 0] = 0`` (``operator.setitem``),
+``torch._foreach_mul_([h], 3)`` (a list), ``W.data = ...`` (``Tensor.set_``), ``h.data.mul_(3)``
+(a write to an alias), ``torch.ops.aten.mul_.Tensor(h, s)``. So:
+
+* an ``OpOverload`` has its ``_schema``; a torch function or Tensor method has the aten schemas of
+  its name (``torch.jit._builtins._find_builtin``, else ``aten::<name>``), and an argument whose
+  ``alias_info.is_write`` is set is written. Overloads are unioned (conservative), counting only
+  those whose written argument fits the call (a tensor where the schema takes a tensor: so
+  ``torch.sort(h)`` does not match the TorchScript list overload ``sort.Tensor(Tensor[](a!) self)``);
+* ``out=`` always writes; so do ``inplace=True`` (``torch.nn.functional``) and Python's in-place
+  operators and ``setitem`` (their first argument);
+* a callable without any schema whose name looks in-place (Inductor's ``is_mutation_op`` regex), a
+  higher-order op, or a written argument that cannot be located in the call: every tensor input.
+
+Only the written *arguments* are returned; whether one aliases a tensor the rewrite reads is the
+caller's question (storages of the example values).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+import re
+from typing import Any, Optional
+
+import torch
+from torch.fx import Node
+
+# Python's in-place operators (``h += 1`` is traced as operator.iadd) and item assignment
+_PY_INPLACE = {getattr(operator, n) for n in (
+    "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift",
+    "iand", "ior", "ixor", "iconcat", "setitem", "delitem")}
+_PY_INPLACE_METHODS = {f"__{n}__" for n in (
+    "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift",
+    "iand", "ior", "ixor", "setitem", "delitem")}
+# torch._inductor.pattern_matcher._mutation_op_re: a trailing "_" (not dunder) or a set/enter/exit/seed word
+_INPLACE_NAME = re.compile(r"(?<!_)(_$|_[.]|(\b|_)(set|enter|exit|seed)(\b|_))(?!_)")
+
+
+def writes(node: Node) -> tuple[Node, ...]:
+    """The nodes among ``node``'s arguments whose tensors it may write (empty for a pure op)."""
+    if node.op not in ("call_function", "call_method"):
+        return ()
+    out: list = []
+    if node.kwargs.get("out") is not None:
+        out.extend(_nodes(node.kwargs["out"]))
+    target = node.target
+    first = node.args[0] if node.args else None
+    if target in _PY_INPLACE if node.op == "call_function" else target in _PY_INPLACE_METHODS:
+        out.extend(_nodes(first))
+    elif node.op == "call_function" and isinstance(target, torch._ops.HigherOrderOperator):
+        out.extend(_tensor_inputs(node))  # its subgraph is not inspected: assume the worst
+    elif _inplace_flag(node):
+        out.extend(_nodes(first) or _tensor_inputs(node))
+    else:
+        schemas = _schemas(node)
+        if schemas is None:  # no schema at all: judge by the name, as Inductor does
+            if _INPLACE_NAME.search(_name(node)):
+                out.extend(_tensor_inputs(node))
+        else:
+            for schema in schemas:
+                out.extend(_schema_writes(node, schema))
+    return tuple(dict.fromkeys(out))  # unique, in order
+
+
+def spelling(node: Node) -> str:
+    """How the user wrote ``node``'s call, for a decline reason: ``torch.mul(..., out=)``,
+    ``Tensor.mul_``, ``operator.setitem``, ``aten.mul_.Tensor``."""
+    if node.op == "call_method":
+        name = f"Tensor.{node.target}"
+    elif isinstance(node.target, torch._ops.OpOverload):
+        name = str(node.target)
+    else:
+        module = getattr(node.target, "__module__", None) or ""
+        module = {"_operator": "operator", "torch._C._nn": "torch.nn.functional"}.get(module, module)
+        if not module and isinstance(getattr(node.target, "__objclass__", None), type):
+            module = "Tensor"  # torch.Tensor.set_ (Dynamo's spelling of ``t.data = ...``)
+        name = f"{module}.{_name(node)}" if module else _name(node)
+    if node.kwargs.get("out") is not None:
+        return f"{name}(..., out=)"
+    if _inplace_flag(node):
+        return f"{name}(..., inplace=True)"
+    return name
+
+
+def swaps_storage(node: Node) -> bool:
+    """True for ``Tensor.set_`` however spelled (Dynamo traces ``t.data = u`` as it): afterwards the
+    example values' storages say what aliases what at the end of the trace, not before the call."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name == "aten::set_"
+    if isinstance(node.target, torch._ops.OpOverloadPacket):
+        return node.target._qualified_op_name == "aten::set_"
+    return _name(node) in ("set_", "swap_tensors")
+
+
+# ---------------------------------------------------------------------------------------------
+def _name(node: Node) -> str:
+    if node.op == "call_method":
+        return str(node.target)
+    return getattr(node.target, "__name__", "") or str(node.target)
+
+
+def _nodes(value: Any) -> list:
+    """The Nodes in an argument value (a Node, or a list/tuple of them, e.g. ``_foreach_*_``)."""
+    if isinstance(value, Node):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [n for v in value for n in _nodes(v)]
+    return []
+
+
+def _tensor_inputs(node: Node) -> list:
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("example_value"), torch.Tensor)
+            or n.meta.get("example_value") is None]
+
+
+def _inplace_flag(node: Node) -> bool:
+    """``inplace=True`` given to a Python function that has such a parameter (``F.relu``,
+    ``F.dropout``, ...), by keyword or position; a non-constant flag counts as True."""
+    if node.op != "call_function":
+        return False
+    try:
+        sig = _signature(node.target)
+    except TypeError:  # an unhashable callable
+        sig = None
+    if sig is None or "inplace" not in sig.parameters:
+        return False
+    try:
+        bound = sig.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return True  # cannot tell which argument is the flag: assume it is set
+    flag = bound.arguments.get("inplace", False)
+    # a Node or SymBool counts as set; never bool() it (a guard on a symbolic flag)
+    return not (flag is None or (isinstance(flag, (bool, int)) and not flag))
+
+
+@functools.cache
+def _signature(fn) -> Optional[inspect.Signature]:
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+
+
+def _schemas(node: Node) -> Optional[list]:
+    """The schemas ``node``'s call may dispatch to, or None when it has none."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return [target._schema]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, o)._schema for o in target.overloads()]
+    name = None
+    if node.op == "call_function":
+        try:
+            name = torch.jit._builtins._find_builtin(target)
+        except Exception:  # noqa: BLE001 - unhashable or exotic callables
+            name = None
+    return _schemas_named(name or f"aten::{_name(node)}")
+
+
+@functools.cache
+def _schemas_named(qualified: str) -> Optional[list]:
+    try:
+        found = torch._C._jit_get_schemas_for_operator(qualified)
+    except RuntimeError:
+        return None
+    return list(found) or None
+
+
+def _schema_writes(node: Node, schema) -> list:
+    """The nodes ``schema`` writes when it is the overload called (none when it cannot be)."""
+    positional = [a for a in schema.arguments if not a.kwarg_only]
+    if len(node.args) > len(positional):  # more arguments than this overload takes
+        return []
+    written = []
+    for i, a in enumerate(schema.arguments):
+        kind = _tensor_kind(a.type)
+        if a.alias_info is None or not a.alias_info.is_write or kind is None:
+            continue  # read-only, or an int/float/str list: a TorchScript overload, not a tensor op
+        if not a.kwarg_only and i < len(node.args):
+            value = node.args[i]
+        elif a.name in node.kwargs:
+            value = node.kwargs[a.name]
+        elif a.name == "self" and "input" in node.kwargs:  # Python spells aten's self as input
+            value = node.kwargs["input"]
+        else:
+            continue  # not given: this overload (or this optional argument) is not what was called
+        if kind == "tensor" and isinstance(value, Node):
+            written.append(value)
+        elif kind == "list" and isinstance(value, (list, tuple)):
+            written.extend(_nodes(value))
+    return written
+
+
+def _tensor_kind(t) -> Optional[str]:
+    if isinstance(t, torch._C.OptionalType):
+        t = t.getElementType()
+    if isinstance(t, torch._C.TensorType):
+        return "tensor"
+    if isinstance(t, torch._C.ListType) and _tensor_kind(t.getElementType()) == "tensor":
+        return "list"
+    return None
+
+
+__all__ = ["writes", "spelling", "swaps_storage"]
