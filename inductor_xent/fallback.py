@@ -89,14 +89,20 @@ def _dlogits_(z: Tensor, x: Optional[Tensor], lse: Tensor, lse_lo: Tensor, t: Te
     incoming gradient (0 on ignored rows), ``c`` the softmax's coefficient from the lse terms."""
     eps, vocab = opts.label_smoothing, z.shape[1]
     p = z.sub_(lse.unsqueeze(1)).sub_(lse_lo.unsqueeze(1)).exp_()  # softmax, in place of the logits
-    d = p * g.unsqueeze(1)
-    d.scatter_add_(1, torch.where(valid, t, 0).unsqueeze(1), (-(1 - eps) * g).unsqueeze(1))
+    # dz = (g + c)·(p − coef) + c·coef, coef = (1 − ε)·onehot + ε/V (0 on ignored rows): the smoothed
+    # target's coefficient is one constant ((1 − ε) + ε/V, rounded once: 1 at V = 1) subtracted once,
+    # and c·p is kept apart from g·(p − onehot) (folded into g·(1 + 2·z_loss·lse) the small z-loss
+    # term rounds against 1, and where p ≈ onehot that is the whole gradient)
+    idx = torch.where(valid, t, 0).unsqueeze(1)
+    ok = valid.to(p.dtype).unsqueeze(1)
+    rest, hit = ok * (eps / vocab), ok * ((1 - eps) + eps / vocab)
+    p_t = p.gather(1, idx)
+    d = p.sub_(rest) if eps != 0.0 else p
+    d.scatter_(1, idx, torch.where(valid.unsqueeze(1), p_t - hit, p_t))
+    d.mul_((g + c).unsqueeze(1))
     if eps != 0.0:
-        d.sub_((eps / vocab) * g.unsqueeze(1))
-    # c·p is added apart from g·(p − onehot): folded into g·(1 + 2·z_loss·lse) the small z-loss
-    # term rounds against 1, and where p ≈ onehot (confident rows, V = 1) that is the whole gradient
-    d.addcmul_(p, c.unsqueeze(1))
-    del p
+        d.add_(c.unsqueeze(1) * rest)  # every column; the target's remaining (1 − ε) next
+    d.scatter_add_(1, idx, c.unsqueeze(1) * ok * (1 - eps))
     if x is not None:
         d.mul_(_sech2_(x))
     if opts.logit_scale != 1.0:

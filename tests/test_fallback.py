@@ -121,6 +121,22 @@ def test_gradcheck_float64(bias, small_chunks):
     assert torch.autograd.gradcheck(fn, inputs)
 
 
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_one_class_smoothing_z_loss(strategy):
+    """V = 1 with label smoothing and z-loss (a case hypothesis found): the gradient is the z-loss
+    term alone, and p − (1 − ε) − ε/V must not leave a rounding residue (it did: 0.1 relative)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 1, generator=g, requires_grad=True)
+    w = torch.randn(1, 1, generator=g, requires_grad=True)
+    y = torch.zeros(1, dtype=torch.long)
+    kw = dict(label_smoothing=0.1, z_loss=1e-3)
+    ours = torch.autograd.grad(inductor_xent.linear_cross_entropy(h, w, y, strategy=strategy, **kw), (h, w))
+    exact = torch.autograd.grad(reference.linear_cross_entropy(h.double(), w.double(), y, **kw), (h, w))
+    same = torch.autograd.grad(torch_same_dtype_loss(h, w, y, **kw), (h, w))
+    for a, s, e in zip(ours, same, exact):
+        assert_within_torch_error(a, s, e, k=4.0, floor=1e-7, what="grad")
+
+
 def test_lse_output_gradient(small_chunks):
     """The op's lse output is differentiable (the pass maps a user's separate logsumexp onto it)."""
     g = torch.Generator().manual_seed(4)

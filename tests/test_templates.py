@@ -227,14 +227,16 @@ def test_many_splits_and_chunks(monkeypatch):
     check_case(*make_inputs(dtype=torch.bfloat16, bias=True, seed=6, v=131 if not CUDA else 701), o)
 
 
-def test_z_loss_gradient_where_softmax_is_onehot():
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_z_loss_gradient_where_softmax_is_onehot(smoothing):
     """V=1, so p == onehot: the CE part of dz is 0 and the z-loss term is the whole gradient. It
     must not be rounded away against g, as the folded g·(1 + 2·z_loss·lse) did (2.3e-5 relative
-    error, against 6e-8 now). The torch side here is F.cross_entropy plus a separate z-loss, whose
-    backward has no such cancellation."""
+    error, against 6e-8 now), nor left over from p − 0.9 − 0.1 with smoothing (the target's
+    coefficient (1 − ε) + ε/V is one constant, 1 here). The torch side here is F.cross_entropy plus
+    a separate z-loss, whose backward has no such cancellation."""
     h, w, _, _ = make_inputs(n=9, d=8, v=1, seed=11)
     t = torch.zeros(9, dtype=torch.long, device=DEVICE)  # the only class; no row ignored
-    o = LossOptions(z_loss=1e-3)
+    o = LossOptions(z_loss=1e-3, label_smoothing=smoothing)
     gl = (torch.rand(9, generator=torch.Generator().manual_seed(12)) + 0.5).to(DEVICE)
 
     def grads(h, w, fn):
@@ -243,7 +245,7 @@ def test_z_loss_gradient_where_softmax_is_onehot():
         return h.grad, w.grad
 
     exact = grads(h.double(), w.double(), lambda h, w: reference.loss_rows(h, w, None, t, o)[0])
-    same = grads(h, w, lambda h, w: F.cross_entropy(F.linear(h, w), t, reduction="none")
+    same = grads(h, w, lambda h, w: F.cross_entropy(F.linear(h, w), t, reduction="none", label_smoothing=smoothing)
                  + 1e-3 * torch.logsumexp(F.linear(h, w), -1) ** 2)
     _, lse, lse_lo = launch.forward(h, w, None, t, o)
     ours = launch.backward(gl, torch.zeros_like(gl), h, w, None, t, lse, lse_lo, o, (True, True, False))

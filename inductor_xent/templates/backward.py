@@ -49,8 +49,8 @@ def lce_dlogits_kernel(
     N, V, D, v_start, chunk,
     # strides
     stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_dz_n, stride_db_m,
-    # loss options
-    ignore_index, label_smoothing, logit_scale, softcap, z_loss,
+    # loss options (hit_coef = (1 − ε) + ε/V and rest_coef = ε/V, computed in double on the host)
+    ignore_index, hit_coef, rest_coef, logit_scale, softcap, z_loss,
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -73,9 +73,9 @@ def lce_dlogits_kernel(
                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
     z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
-    # ---- dz = g·q + c·p with q = p − (1 − ε)·onehot − ε/V and c = 2·z_loss·lse·g + h -----------
-    # written (g + c)·q + c·((1 − ε)·onehot + ε/V): one tile live, and c is never rounded against g
-    # (the folded g·(1 + 2·z_loss·lse) loses the z-loss term where p ≈ onehot, e.g. V = 1).
+    # ---- dz = g·q + c·p with q = p − coef and c = 2·z_loss·lse·g + h ------------------------------
+    # written (g + c)·q + c·coef: one tile live, and c is never rounded against g (the folded
+    # g·(1 + 2·z_loss·lse) loses the z-loss term where p ≈ onehot, e.g. V = 1).
     # p = exp((z − lse) − lse_lo): z − lse is exact near the row max, lse_lo restores the rounding
     # of lse (all logits 2^24: without it every p is off by e^0.08).
     tgt = tl.load(target_ptr + rows)
@@ -83,11 +83,13 @@ def lce_dlogits_kernel(
     lse_lo = tl.load(lse_lo_ptr + rows)
     g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
     c = 2.0 * z_loss * lse * g + tl.load(grad_lse_ptr + rows).to(tl.float32)
-    hit = offs_v[None, :] == tgt[:, None]
     p = tl.exp2(((z - lse[:, None]) - lse_lo[:, None]) * LOG2E)
-    q = p - tl.where(hit, 1.0 - label_smoothing, 0.0) - label_smoothing / V
-    dz = (g + c)[:, None] * q + tl.where(hit, (c * (1.0 - label_smoothing))[:, None], 0.0) \
-        + (c * (label_smoothing / V))[:, None]
+    # coef = (1 − ε)·onehot + ε/V on valid rows, 0 on ignored ones; hit_coef = (1 − ε) + ε/V is one
+    # constant rounded once (1 at V = 1: p − coef is then exactly 0, not p − 0.9 − 0.1)
+    valid = tgt != ignore_index
+    coef = tl.where((offs_v[None, :] == tgt[:, None]) & valid[:, None], hit_coef, rest_coef)
+    coef = tl.where(valid[:, None], coef, 0.0)
+    dz = (g + c)[:, None] * (p - coef) + c[:, None] * coef
     if HAS_SOFTCAP:
         dz *= sech2
     dz *= logit_scale

@@ -80,6 +80,12 @@ def _operands(cfg: KernelConfig, hidden: Tensor, weight: Tensor, use_tma: bool):
             TensorDescriptor.from_tensor(weight, [cfg.block_n, cfg.block_k]))
 
 
+def _smoothing_coefs(opts: LossOptions, vocab: int) -> tuple[float, float]:
+    """(the target's coefficient (1 − ε) + ε/V, every other column's ε/V), in double here."""
+    eps = float(opts.label_smoothing)
+    return (1.0 - eps) + eps / vocab, eps / vocab
+
+
 def _options(opts: LossOptions) -> tuple[float, float]:
     """(logit_scale, softcap) as kernel scalars; softcap is unused when None."""
     return float(opts.logit_scale), 1.0 if opts.softcap is None else float(opts.softcap)
@@ -225,7 +231,7 @@ def backward(
             n, v, d, v0, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             dz.stride(0), dbias.stride(0),
-            int(opts.ignore_index), float(opts.label_smoothing), logit_scale, softcap, float(opts.z_loss),
+            int(opts.ignore_index), *_smoothing_coefs(opts, v), logit_scale, softcap, float(opts.z_loss),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_DBIAS=need_b,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
@@ -328,7 +334,8 @@ def store(
             e, dz, part, t_c, lse[rows], lse_lo[rows], st[rows] if need_st else None, g[rows], dbias,
             m, v,
             e.stride(0), dz.stride(0), dbias.stride(0),
-            int(opts.ignore_index), float(opts.label_smoothing), float(opts.logit_scale), float(opts.z_loss),
+            int(opts.ignore_index), *_smoothing_coefs(opts, v), float(opts.label_smoothing), float(opts.logit_scale),
+            float(opts.z_loss),
             HAS_SOFTCAP=need_st, NEED_DBIAS=need_b,
             BLOCK_M=dz_cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=dz_cfg.group_m,
             num_warps=dz_cfg.num_warps,

@@ -10,7 +10,7 @@ Per row chunk the store strategy runs (launch.store):
 3. ``lce_store_dz_kernel`` (this file), in place over E: with ``r = exp((m_t − lse) − lse_lo)`` the
    softmax is ``p = E·r`` and
 
-       oh = (1 − ε)·onehot(t)·sech²(x_t) + ε/V       (ε/V only without a softcap)
+       oh = (1 − ε)·onehot(t)·sech²(x_t) + ε/V       (ε/V only without a softcap; 0 on ignored rows)
        dz = ((g + c)·(E·r − oh) + c·oh) · logit_scale,   c = 2·z_loss·lse·g
 
    written in the input dtype over E (same size), plus per-row-block column sums for grad_bias;
@@ -41,8 +41,8 @@ def lce_store_dz_kernel(
     N, V,
     # strides
     stride_e_n, stride_dz_n, stride_db_m,
-    # loss options
-    ignore_index, label_smoothing, logit_scale, z_loss,
+    # loss options (hit_coef = (1 − ε) + ε/V and rest_coef = ε/V, computed in double on the host)
+    ignore_index, hit_coef, rest_coef, label_smoothing, logit_scale, z_loss,
     # meta-parameters
     HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
@@ -66,12 +66,14 @@ def lce_store_dz_kernel(
     r = tl.exp2(((m_t - lse) - lse_lo) * LOG2E)
 
     e = tl.load(e_ptr + rows[:, None] * stride_e_n + offs_v[None, :], mask=live, other=0.0).to(tl.float32)
-    hit = offs_v[None, :] == tgt[:, None]
-    if HAS_SOFTCAP:
+    valid = tgt != ignore_index
+    hit = (offs_v[None, :] == tgt[:, None]) & valid[:, None]
+    if HAS_SOFTCAP:  # no smoothing here (strategy.py): the target's coefficient times its sech²
         st = tl.load(st_ptr + rows)
         oh = tl.where(hit, ((1.0 - label_smoothing) * st)[:, None], 0.0)
     else:
-        oh = tl.where(hit, 1.0 - label_smoothing, 0.0) + label_smoothing / V
+        oh = tl.where(hit, hit_coef, rest_coef)
+        oh = tl.where(valid[:, None], oh, 0.0)
     dz = ((g + c)[:, None] * (e * r[:, None] - oh) + c[:, None] * oh) * logit_scale
     dz = tl.where(live, dz, 0.0)
     tl.store(dz_ptr + rows[:, None] * stride_dz_n + offs_v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=live)
