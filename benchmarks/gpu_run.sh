@@ -1,24 +1,45 @@
 #!/usr/bin/env bash
-# On the GPU box: the CUDA tests, then the kernel benchmark; JSON/PNG/logs land in $OUT.
-#   benchmarks/gpu_run.sh [full|quick|sweep|tests] [extra args for bench_kernels.py]
-# Peers (liger-kernel, cut-cross-entropy) come from wheels in .whl/ (git-ignored: name ".whl" in the
-# device tool's carry, or they never reach the box and the peers' rows say ModuleNotFoundError).
+# Everything that needs the GPU box, in as few device calls as possible. Steps (comma-separated):
+#   tests   the README's test command, the whole suite (python3 -m pytest -q), CUDA tests included
+#   store   the store strategy's weight-gradient accumulation options (bench kernels --store-options)
+#   quick   bench kernels, gauss, the main methods and Liger, all three shapes
+#   full    bench kernels, gauss and zipf, every method
+#   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
+#   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
+#   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
+#   benchmarks/gpu_run.sh tests,store,quick
+# Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
+# Each step writes its log (and JSON/PNG) under $OUT and has its own timeout; a failing step does
+# not stop the next.
 set -uo pipefail
-MODE=${1:-full}; shift || true
+STEPS=${1:-tests}
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python wheels: unzip (the box's venv may lack pip)
-    python3 -c "import glob, zipfile; [zipfile.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.whl/*.whl')]" \
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python wheels
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-
-if [[ $MODE == full || $MODE == quick || $MODE == tests ]]; then
-    python3 -m pytest -m cuda tests/test_gpu_kernels.py -q -p no:cacheprovider --timeout 300 2>&1 | tee "$OUT/pytest_cuda.log"
-fi
-case $MODE in
-    full)  python3 benchmarks/bench_kernels.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
-    quick) python3 benchmarks/bench_kernels.py --quick --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" ;;
-    sweep) python3 benchmarks/bench_kernels.py --sweep --quick --out "$OUT" "$@" 2>&1 | tee "$OUT/sweep.log" ;;
-esac
+{ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__)"; date -u; } 2>&1 | tee "$OUT/versions.txt"
+bench() { python3 benchmarks/bench_kernels.py --out "$OUT" "$@"; }
+for step in ${STEPS//,/ }; do
+    echo "=== $step $(date -u +%T)"
+    case $step in
+        tests) timeout 360 python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
+        store) timeout 150 bench --store-options --quick --shapes llama3-8b 2>&1 | tee "$OUT/store.log" | grep -v "^{" ;;
+        quick) timeout 240 bench --quick --data gauss \
+                   --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
+                   | tee "$OUT/bench.log" | grep -E "^\||error" ;;
+        full)  timeout 540 bench 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
+        sweep) timeout 200 bench --sweep --quick --shapes llama3-8b \
+                   --configs m128n256k64w8s3,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma 2>&1 \
+                   | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
+        e2e)   timeout 200 python3 -m inductor_xent bench e2e --warmup 2 --steps 8 --out "$OUT" 2>&1 \
+                   | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
+        zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
+                   python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
+        *) echo "unknown step $step" ;;
+    esac
+done
+echo "=== done $(date -u +%T)"

@@ -26,11 +26,13 @@ from . import config
 
 STRATEGIES = ("auto", "recompute", "store")
 
-# A bf16/fp16 weight gradient accumulated over row chunks is rounded once per chunk. Measured
-# (benchmarks/RESULTS.md, "store: weight-gradient accumulation"): up to this many chunks the
-# gradient error stays below torch.compile's (which rounds the logits to bf16 first); beyond it
-# the accumulator is fp32 (4·V·D bytes more).
-LOWP_ACCUMULATE_CHUNKS = 2
+# A bf16/fp16 weight gradient accumulated over row chunks is rounded once per chunk. Up to this
+# many chunks its error stays below torch.compile's (which rounds the logits to bf16 first);
+# beyond it the accumulator is fp32 (4·V·D bytes more). CPU model of the GPU arithmetic (N=8192,
+# D=1024, V=8192, bf16, errors of grad_weight against fp64; benchmarks/RESULTS.md has the H200
+# measurement): torch.compile 3.5e-3 gauss / 3.1e-3 zipf; one chunk 1.7e-3 / 2.4e-3; 2 chunks
+# 2.1e-3 / 2.7e-3; 3 chunks 2.4e-3 / 2.9e-3; 4 chunks 2.7e-3 / 3.2e-3 (above compile on zipf).
+LOWP_ACCUMULATE_CHUNKS = 3
 CHUNK_ALIGN = 128  # rows per chunk are a multiple of the kernels' row block
 STORE_TILE = 256  # the store kernel's vocabulary tile: per (row, tile) it keeps 16 bytes of partials
 
