@@ -22,17 +22,19 @@ fi
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"; date -u; } 2>&1 | tee "$OUT/versions.txt"
-bench() { python3 benchmarks/bench_kernels.py --out "$OUT" "$@"; }
+BENCH="python3 benchmarks/bench_kernels.py --out $OUT"
+TESTS=$(sed -n "s/^\(python3 -m pytest .*\)$/\1/p" README.md | head -n 1)  # the README's own command
 for step in ${STEPS//,/ }; do
     echo "=== $step $(date -u +%T)"
     case $step in
-        tests) timeout 360 python3 -m pytest -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25 ;;
-        store) timeout 150 bench --store-options --quick --shapes llama3-8b 2>&1 | tee "$OUT/store.log" | grep -v "^{" ;;
-        quick) timeout 240 bench --quick --data gauss \
+        tests) echo "+ $TESTS"; timeout 300 $TESTS -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/pytest.log" \
+                   | grep -vE "^\.|^\s*$" | tail -40 ;;
+        store) timeout 150 $BENCH --store-options --quick --shapes llama3-8b 2>&1 | tee "$OUT/store.log" | grep -v "^{" ;;
+        quick) timeout 240 $BENCH --quick --data gauss \
                    --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/bench.log" | grep -E "^\||error" ;;
-        full)  timeout 540 bench 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
-        sweep) timeout 200 bench --sweep --quick --shapes llama3-8b \
+        full)  timeout 540 $BENCH 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
+        sweep) timeout 200 $BENCH --sweep --quick --shapes llama3-8b \
                    --configs m128n256k64w8s3,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma 2>&1 \
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
         e2e)   timeout 200 python3 -m inductor_xent bench e2e --warmup 2 --steps 8 --out "$OUT" 2>&1 \
