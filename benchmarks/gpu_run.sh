@@ -14,10 +14,12 @@
 set -uo pipefail
 STEPS=${1:-tests}
 OUT=${OUT:-out}; mkdir -p "$OUT"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+# as the README installs it (the entry point registers the backend); the source tree if that fails
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
 if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python wheels
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH=$PYTHONPATH:/tmp/site
+        && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
 fi
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
@@ -35,7 +37,7 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         full)  timeout 540 $BENCH 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         sweep) timeout 200 $BENCH --sweep --quick --shapes llama3-8b \
-                   --configs m128n256k64w8s3,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma 2>&1 \
+                   --configs m128n256k64w8s3,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma,m128n256k64w8s3tma_ws1,m128n256k64w8s3tma_ws2,m128n256k64w8s3_ws1 2>&1 \
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
         e2e)   timeout 200 python3 -m inductor_xent bench e2e --warmup 2 --steps 8 --out "$OUT" 2>&1 \
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;

@@ -2,6 +2,8 @@
 namespace, as a reader pasting them into one session would."""
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import torch
@@ -13,7 +15,9 @@ def test_readme_snippets_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the Trainer example writes its output directory here
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
     assert len(blocks) >= 3, "README lost its code examples"
-    namespace: dict = {"__name__": "readme"}
+    module = types.ModuleType("readme")  # a real module: Dynamo (2.11) imports the code's __name__
+    monkeypatch.setitem(sys.modules, "readme", module)
+    namespace = module.__dict__
     torch._dynamo.reset()
     for index, code in enumerate(blocks):
         exec(compile(code, f"README.md python block {index}", "exec"), namespace)

@@ -29,6 +29,7 @@ class KernelConfig(NamedTuple):
     flatten: bool = False  # tl.range(flatten=True): one pipelined loop over (vocab tile, k)
     split_tiles: int = 0  # forward: vocabulary tiles per program; 0 = vocab_split's model
     tma: bool = False  # operands through TMA descriptors where the layout allows (launch._tma_ok)
+    ws: int = 0  # warp specialisation (tl.range(warp_specialize=True)): 1 the D loop, 2 the vocabulary loop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -48,6 +49,12 @@ CONFIGS: dict[str, KernelConfig] = {
     "m128n256k64w8s3tma": KernelConfig(128, 256, 64, 8, 8, 3, tma=True),
     "m128n256k64w8s4tma": KernelConfig(128, 256, 64, 8, 8, 4, tma=True),
     "m256n128k64w8s3tma": KernelConfig(256, 128, 64, 8, 8, 3, tma=True),
+    # Triton 3.6's Hopper warp specialisation: a producer warp for the TMA loads and consumer
+    # warpgroups for the MMA (ws1: of the D loop; ws2: of the forward's vocabulary loop, so that a
+    # tile's softmax epilogue can overlap the next tile's MMA)
+    "m128n256k64w8s3tma_ws1": KernelConfig(128, 256, 64, 8, 8, 3, tma=True, ws=1),
+    "m128n256k64w8s3tma_ws2": KernelConfig(128, 256, 64, 8, 8, 3, tma=True, ws=2),
+    "m128n256k64w8s3_ws1": KernelConfig(128, 256, 64, 8, 8, 3, ws=1),
     # smaller accumulator: no spills (ptxas: 186 registers, 0 stack, offline sm_90 compile), but
     # 186 x 256 threads still allows only one CTA per SM
     "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3),
