@@ -8,7 +8,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import ops, strategy
+from . import config, ops
+from . import strategy as strategies
 from .options import FLOAT_DTYPES, REDUCTIONS
 
 
@@ -66,10 +67,13 @@ def linear_cross_entropy(
     grad = torch.is_grad_enabled()
     needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
-    which, chunk_rows = _plan(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
-                              float(label_smoothing), softcap, strategy, store_budget)
-    if which == "store":
-        loss, *_ = ops.STORE(hidden2d, weight, bias, target1d, *options, reduction, chunk_rows, *needs)
+    if store_budget is not None:
+        strategies.parse_budget(store_budget)  # a clear error for the value as given
+    budget = str(store_budget) if store_budget is not None else config.store_budget()
+    which = _plan(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
+                  float(label_smoothing), softcap, strategy, budget)
+    if which == "store":  # chunks sized by the op at run time, from the budget
+        loss, *_ = ops.STORE(hidden2d, weight, bias, target1d, *options, reduction, 0, budget, *needs)
         return loss
     rows, _, _ = ops.FORWARD(hidden2d, weight, bias, target1d, *options)
     if reduction == "none":
@@ -140,8 +144,7 @@ def _sizes(hidden2d, weight):
 
 @torch.compiler.assume_constant_result
 def _plan(n, d, v, dtype, weight_dtype, reduction, needs, label_smoothing, softcap, which, budget):
-    """(strategy, chunk rows) of ``strategy.plan``; under torch.compile Dynamo runs it once while
-    tracing and keeps the result as a constant (its arguments are all Python constants)."""
-    p = strategy.plan(n, d, v, dtype, weight_dtype, reduction=reduction, needs=needs,
-                      label_smoothing=label_smoothing, softcap=softcap, strategy=which, budget=budget)
-    return p.strategy, p.chunk_rows
+    """``strategy.plan``'s strategy; under torch.compile Dynamo runs it once while tracing and keeps
+    the result as a constant (its arguments are all Python constants)."""
+    return strategies.plan(n, d, v, dtype, weight_dtype, reduction=reduction, needs=needs,
+                         label_smoothing=label_smoothing, softcap=softcap, strategy=which, budget=budget).strategy

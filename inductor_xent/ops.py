@@ -18,10 +18,12 @@ logits.
 Strategy ``store``:
 
 * ``inductor_xent::linear_ce_store(hidden, weight, bias, target, <options>, reduction, chunk_rows,
-  needs_hidden, needs_weight, needs_bias) -> (loss, grad_hidden, grad_weight, grad_bias)``: the
-  reduced loss (0-dim; ``reduction`` is "mean" or "sum") and, computed in the same pass over the
-  logits, its gradients (not differentiable outputs; empty where not needed). Its autograd formula
-  scales them by the incoming scalar gradient: no backward pass over the logits at all.
+  budget, needs_hidden, needs_weight, needs_bias) -> (loss, grad_hidden, grad_weight, grad_bias)``:
+  the reduced loss (0-dim; ``reduction`` is "mean" or "sum") and, computed in the same pass over
+  the logits, its gradients (not differentiable outputs; empty where not needed). ``chunk_rows`` 0
+  sizes the row chunks at run time from ``budget`` (strategy.chunk_rows), so a dynamic N is
+  chunked for its real size and eager and compiled calls chunk alike. Its autograd formula scales
+  the gradients by the incoming scalar gradient: no backward pass over the logits at all.
 
 All are plain ``custom_op``s: Inductor calls them as fallback kernels, which launch our Triton
 kernels on CUDA. No op synchronises with the host (the mean's denominator stays on the device).
@@ -35,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import config, fallback
+from . import config, fallback, strategy
 from .options import KERNEL_DTYPES, LossOptions, compute_dtype
 
 
@@ -198,6 +200,7 @@ def linear_ce_store(
     z_loss: float,
     reduction: str,
     chunk_rows: int,
+    budget: str,
     needs_hidden: bool,
     needs_weight: bool,
     needs_bias: bool,
@@ -205,6 +208,10 @@ def linear_ce_store(
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_ce_store: reduction must be 'mean' or 'sum', got {reduction!r}")
+    if chunk_rows <= 0:  # within the budget at this N; over it (MIN_CHUNK_ROWS) if nothing fits
+        n, (v, d) = hidden.shape[0], weight.shape
+        chunk_rows = strategy.chunk_rows(n, v, d, hidden.dtype, weight.dtype, needs_weight, budget) or min(
+            max(n, 1), strategy.MIN_CHUNK_ROWS)
     if target.device.type == "cpu":
         fallback.check_targets(target, weight.shape[0], ignore_index)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
@@ -215,7 +222,7 @@ def linear_ce_store(
 
 @linear_ce_store.register_fake
 def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
-      chunk_rows, needs_hidden, needs_weight, needs_bias):
+      chunk_rows, budget, needs_hidden, needs_weight, needs_bias):
     loss = hidden.new_empty((), dtype=compute_dtype(hidden.dtype))
     return (loss, *_grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias))
 
@@ -238,7 +245,7 @@ def _store_backward(ctx, grad_loss, *_unused):
                                f"(needs_{name}=False) but autograd asks for one")
         else:
             grads.append(g * grad_loss)  # 0-dim grad_loss: the result keeps g's dtype, rounded once
-    return (*grads, *(None,) * 11)
+    return (*grads, *(None,) * 12)
 
 
 linear_ce_store.register_autograd(_store_backward, setup_context=_store_setup_context)

@@ -28,12 +28,15 @@ STRATEGIES = ("auto", "recompute", "store")
 
 # A bf16/fp16 weight gradient accumulated over row chunks is rounded once per chunk. Up to this
 # many chunks its error stays below torch.compile's (which rounds the logits to bf16 first);
-# beyond it the accumulator is fp32 (4·V·D bytes more). CPU model of the GPU arithmetic (N=8192,
-# D=1024, V=8192, bf16, errors of grad_weight against fp64; benchmarks/RESULTS.md has the H200
-# measurement): torch.compile 3.5e-3 gauss / 3.1e-3 zipf; one chunk 1.7e-3 / 2.4e-3; 2 chunks
-# 2.1e-3 / 2.7e-3; 3 chunks 2.4e-3 / 2.9e-3; 4 chunks 2.7e-3 / 3.2e-3 (above compile on zipf).
-LOWP_ACCUMULATE_CHUNKS = 3
+# beyond it the accumulator is fp32 (4·V·D bytes more). Measured on the H200 (llama3-8b shape,
+# bf16, grad_weight error against fp32; benchmarks/RESULTS.md, "store: weight-gradient
+# accumulation"): torch.compile 2.5e-3 gauss / ~3.1e-3 zipf; 1 chunk 1.7e-3 / 2.3e-3; 2 chunks
+# 2.3e-3 / 2.9e-3; 4 chunks 2.8e-3 / 3.4e-3 (above compile); 8 chunks 3.1e-3 / 4.0e-3.
+LOWP_ACCUMULATE_CHUNKS = 2
 CHUNK_ALIGN = 128  # rows per chunk are a multiple of the kernels' row block
+# Fewer rows per chunk than this and the three GEMMs per chunk lose their speed (H200, llama3-8b
+# shape: chunks of 1024 rows 44.5 ms against 42.7 for 2048); store then is not worth its memory.
+MIN_CHUNK_ROWS = 1024
 STORE_TILE = 256  # the store kernel's vocabulary tile: per (row, tile) it keeps 16 bytes of partials
 
 
@@ -44,12 +47,13 @@ class Plan:
     fp32_accumulate: bool = False  # store: weight/bias gradients accumulate in fp32
     extra_bytes: int = 0  # estimated extra memory of the chosen strategy (at the planned N)
     reason: str = ""  # why this strategy (shown by explain)
+    budget: str = ""  # store: the budget the op sizes its chunks from at run time
 
     def describe(self) -> str:
         if self.strategy == "recompute":
             return f"recompute ({self.reason})" if self.reason else "recompute"
         acc = ", fp32 weight-gradient accumulator" if self.fp32_accumulate else ""
-        return f"store (chunks of {self.chunk_rows} rows{acc}, ~{self.extra_bytes / 2**20:.0f} MiB)"
+        return f"store (chunks of {self.chunk_rows} rows{acc}, ~{_mib(self.extra_bytes)})"
 
 
 def size_hint(x) -> int:
@@ -109,31 +113,53 @@ def store_unsupported(reduction: str, label_smoothing: float, softcap: Optional[
     return None
 
 
-def store_bytes(n: int, d: int, v: int, itemsize: int, weight_itemsize: int, chunk_rows: int,
-                needs: tuple[bool, bool, bool]) -> tuple[int, bool]:
+def store_bytes(n: int, v: int, d: int, itemsize: int, weight_itemsize: int, chunk_rows: int,
+                need_weight: bool) -> tuple[int, bool]:
     """(extra bytes, fp32 accumulator?) of ``store`` with chunks of ``chunk_rows`` rows: the chunk of
-    exp-logits (fp16 for 16-bit inputs, fp32 for fp32), its per-tile partials, the gradients held
-    from forward to backward, and the fp32 accumulator where the precision rule asks for one."""
+    exp-logits (fp16 for 16-bit inputs, fp32 for fp32) and its per-tile partials, plus the fp32
+    weight-gradient accumulator where the precision rule asks for one. The gradients themselves are
+    not counted: they are the gradients (under torch.compile the backward's scaling reuses their
+    buffers, AOTAutograd's donated buffers; eagerly it makes one more copy of them)."""
     chunks = -(-n // max(1, chunk_rows))
-    need_h, need_w, need_b = needs
-    fp32_acc = weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS and need_w
-    return chunk_rows * _per_row(v, itemsize) + _held(n, d, v, itemsize, weight_itemsize, needs) + (
-        v * d * 4 if fp32_acc else 0), fp32_acc
+    fp32_acc = weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS and need_weight
+    return chunk_rows * _per_row(v, itemsize) + (v * d * 4 if fp32_acc else 0), fp32_acc
 
 
 def _per_row(v: int, itemsize: int) -> int:
-    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE)) * 16
-
-
-def _held(n, d, v, itemsize, weight_itemsize, needs) -> int:
-    need_h, need_w, need_b = needs
-    return (n * d * itemsize if need_h else 0) + (v * d * weight_itemsize if need_w else 0) + (
-        v * weight_itemsize if need_b else 0)
+    """Bytes per row of a chunk: the exp-logits and three fp32 partials per vocabulary tile."""
+    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE)) * 12
 
 
 # N to plan for when the rows are a dynamic size under torch.compile (the decision must not
-# depend on, or guard, a size that changes between calls)
+# depend on, or guard, a size that changes between calls); the chunks are sized at run time
 DYNAMIC_ROWS = 8192
+
+
+def chunk_rows(n: int, v: int, d: int, dtype: torch.dtype, weight_dtype: torch.dtype, need_weight: bool,
+               budget) -> int:
+    """Rows per chunk of ``store`` within ``budget`` (0 when MIN_CHUNK_ROWS do not fit): the
+    fewest chunks (fewer roundings of a low-precision weight gradient, fewer passes), then chunks
+    of equal size (the least memory for that count). A chunk count over LOWP_ACCUMULATE_CHUNKS
+    adds the fp32 accumulator, which must fit too. The store op calls this at run time with the
+    real N, so eager and compiled calls chunk alike, and a dynamic N is chunked for its size."""
+    n = max(int(n), 1)
+    kind, amount = parse_budget(budget)
+    itemsize, w_itemsize = torch.finfo(dtype).bits // 8, torch.finfo(weight_dtype).bits // 8
+    limit = amount * (n * v * itemsize if kind == "logits" else 1)
+    per_row = _per_row(v, itemsize)
+    for acc_bytes in (0, v * d * 4):
+        rows = int((limit - acc_bytes) // per_row) if limit > acc_bytes else 0
+        if rows >= n:
+            return n
+        rows -= rows % CHUNK_ALIGN
+        if rows < min(n, MIN_CHUNK_ROWS):
+            continue
+        chunks = -(-n // rows)
+        per_chunk = -(-n // chunks)
+        balanced = -(-per_chunk // CHUNK_ALIGN) * CHUNK_ALIGN
+        if store_bytes(n, v, d, itemsize, w_itemsize, balanced, need_weight)[0] <= limit:
+            return balanced
+    return 0
 
 
 def plan(
@@ -145,30 +171,24 @@ def plan(
     """The strategy for one site (``strategy`` and ``budget`` default to ``config``'s); ``n`` None
     means a dynamic number of rows (planned as DYNAMIC_ROWS)."""
     strategy = check_strategy(strategy if strategy is not None else config.strategy())
-    kind, amount = parse_budget(budget if budget is not None else config.store_budget())
+    budget = budget if budget is not None else config.store_budget()
+    parse_budget(budget)
     if strategy == "recompute":
         return Plan("recompute", reason="strategy='recompute'")
     why = store_unsupported(reduction, label_smoothing, softcap, lse_used, needs)
     if why:
         return Plan("recompute", reason="store cannot run: " + why)
     n = DYNAMIC_ROWS if n is None else max(int(n), 1)
-    itemsize = torch.finfo(dtype).bits // 8
-    w_itemsize = torch.finfo(weight_dtype).bits // 8
+    rows = chunk_rows(n, v, d, dtype, weight_dtype, needs[1], budget)
+    itemsize, w_itemsize = torch.finfo(dtype).bits // 8, torch.finfo(weight_dtype).bits // 8
+    if rows:
+        extra, fp32_acc = store_bytes(n, v, d, itemsize, w_itemsize, rows, needs[1])
+        return Plan("store", rows, fp32_acc, extra, budget=str(budget))
+    smallest = store_bytes(n, v, d, itemsize, w_itemsize, min(n, MIN_CHUNK_ROWS), needs[1])[0]
+    kind, amount = parse_budget(budget)
     limit = amount * (n * v * itemsize if kind == "logits" else 1)
-    per_row = _per_row(v, itemsize)
-    free = limit - _held(n, d, v, itemsize, w_itemsize, needs)
-    # the largest chunk that fits (fewer chunks are faster and round a low-precision weight
-    # gradient fewer times): first without an fp32 accumulator, which needs few chunks
-    rows = min(n, int(free // per_row)) if free > 0 else 0
-    rows -= rows % CHUNK_ALIGN if rows < n else 0
-    extra, fp32_acc = store_bytes(n, d, v, itemsize, w_itemsize, rows, needs) if rows > 0 else (0, False)
-    if rows > 0 and fp32_acc:  # too many chunks for the weight dtype: with the accumulator, if it fits
-        acc_free = free - v * d * 4
-        rows = min(n, int(acc_free // per_row)) if acc_free > 0 else 0
-        rows -= rows % CHUNK_ALIGN if rows < n else 0
-        extra, fp32_acc = store_bytes(n, d, v, itemsize, w_itemsize, rows, needs) if rows > 0 else (0, False)
-    if rows > 0 and extra <= limit:
-        return Plan("store", rows, fp32_acc, extra)
-    smallest = store_bytes(n, d, v, itemsize, w_itemsize, min(n, CHUNK_ALIGN), needs)[0]
-    return Plan("recompute", reason=f"store needs at least {smallest // 2**20} MiB, over the budget of "
-                                    f"{int(limit) // 2**20} MiB")
+    return Plan("recompute", reason=f"store needs at least {_mib(smallest)}, over the budget of {_mib(limit)}")
+
+
+def _mib(n) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n / 2**10:.0f} KiB"

@@ -118,7 +118,16 @@ def test_budget_too_small_falls_back_to_recompute():
     assert plan.strategy == "recompute" and "over the budget of 16 MiB" in plan.reason
     plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
                          needs=(True, True, False), strategy="auto", budget="4GiB")
-    assert plan.strategy == "store" and plan.extra_bytes <= 4 * 2**30
+    # the fewest chunks (one: 8192 rows) that fit 4 GiB
+    assert plan.strategy == "store" and plan.chunk_rows == 8192 and plan.extra_bytes <= 4 * 2**30
+    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                         needs=(True, True, False), strategy="auto", budget="1x")
+    # 1x (the bf16 logits) fits two balanced chunks, not one; a bf16 weight gradient rounded twice
+    assert plan.strategy == "store" and plan.chunk_rows == 4096 and not plan.fp32_accumulate
+    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                         needs=(True, True, False), strategy="auto", budget="0.5x")
+    # 0.5x would take more than LOWP_ACCUMULATE_CHUNKS chunks, and then the fp32 accumulator does not fit
+    assert plan.strategy == "recompute"
     plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="none",
                          needs=(True, True, False), strategy="store")
     assert plan.strategy == "recompute" and "reduction='none'" in plan.reason

@@ -142,8 +142,8 @@ def test_deterministic(strategy):
 @pytest.mark.parametrize("strategy, budget", [("recompute", None), ("store", "1x")])
 def test_peak_memory_llama3_8b(strategy, budget):
     """Extra peak of forward+backward at (8192, 4096, 128256) ("extra" excludes the two gradient
-    buffers; torch.compile: 2004 MiB): recompute <= 200 MiB (issue 3); store within its budget
-    (strategy.plan's estimate) and so <= the logits' size."""
+    buffers; torch.compile: 2004 MiB): recompute <= 200 MiB (issue 3); store within its plan (the
+    chunk within the budget) plus the copy of the gradients that an eager backward makes."""
     from inductor_xent import strategy as strat
 
     h, w, _, t = make(8192, 4096, 128256, torch.bfloat16)
@@ -167,8 +167,8 @@ def test_peak_memory_llama3_8b(strategy, budget):
     else:
         plan = strat.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
                           needs=(True, True, False), strategy="store", budget=budget)
-        assert plan.strategy == "store"
-        limit = 8192 * 128256 * 2
+        assert plan.strategy == "store" and plan.extra_bytes <= 8192 * 128256 * 2
+        limit = plan.extra_bytes + gh.nbytes + gw.nbytes + 64 * 2**20
     assert extra <= limit, f"extra peak {extra / 2**20:.0f} MiB"
 
 

@@ -51,7 +51,7 @@ def test_opcheck_store(dtype, reduction, needs):
     h.requires_grad_(needs[0])
     w.requires_grad_(needs[1])
     b.requires_grad_(needs[2])
-    torch.library.opcheck(STORE, (h, w, b, y, -100, 0.1, 0.9, None, 1e-3, reduction, 8, *needs))
+    torch.library.opcheck(STORE, (h, w, b, y, -100, 0.1, 0.9, None, 1e-3, reduction, 8, "1x", *needs))
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "store"])
@@ -68,7 +68,7 @@ def test_frozen_weight_strategies(strategy):
 
 def test_store_with_a_gradient_the_forward_did_not_compute_is_an_error():
     h, w, b, y = _args()
-    loss, *_ = STORE(h, w, b, y, -100, 0.0, 1.0, None, 0.0, "mean", 0, True, False, True)
+    loss, *_ = STORE(h, w, b, y, -100, 0.0, 1.0, None, 0.0, "mean", 0, "1GiB", True, False, True)
     with pytest.raises(RuntimeError, match="computed no gradient for weight"):
         loss.backward()
 

@@ -368,11 +368,14 @@ def test_softcap_fp32_as_accurate_as_eager(softcap, scale):
     """fp32 with a softcap as accurate as eager fp32 (torch.tanh): tanh of small arguments
     (1 − 2/(e^{2x}+1) cancels there: with a cap of 30 the loss came out 4-6x less accurate than
     eager's, grad_weight 2x) and sech² where tanh saturates (1 − tanh² cancels). The error floor is
-    1e-8 here, not 1e-6: these errors are ~1e-7 and the floor would hide them."""
+    1e-8 here, not 1e-6: these errors are ~1e-7 and the floor would hide them. On the GPU the
+    kernels' exp2/log are the hardware's approximations (~2 ulp), which alone cost ~1e-7 of the
+    loss: the floor there is 2e-7 (the old tanh still fails it at a cap of 30)."""
     h, w, b, t = make_inputs(n=37, d=24, v=131, scale=scale, seed=21)
     o = LossOptions(softcap=softcap)
-    check_case(h, w, b, t, o, eps=1e-8)
-    check_store(h, w, b, t, o, chunk_rows=16, eps=1e-8)
+    eps = 2e-7 if CUDA else 1e-8
+    check_case(h, w, b, t, o, eps=eps)
+    check_store(h, w, b, t, o, chunk_rows=16, eps=eps)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -392,7 +392,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
         out = e.call(
             ops.STORE, hidden2d, weight, chain.bias, target1d,
             int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
-            None if chain.softcap is None else float(chain.softcap), 0.0, site.reduction, chosen.chunk_rows,
+            None if chain.softcap is None else float(chain.softcap), 0.0, site.reduction, 0, chosen.budget,
             *_needs(chain),
         )
         site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))

@@ -142,6 +142,10 @@ def lce_combine_kernel(
     zt = tl.full((BLOCK,), 0.0, dtype=tl.float32)
     sz = tl.full((BLOCK,), 0.0, dtype=tl.float32)
     st = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    # compensated (Kahan) sums: the store strategy combines one split per vocabulary tile (1000 at
+    # V = 256000), and a plain running sum then loses ~1e-6 of the loss
+    s_c = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    sz_c = tl.full((BLOCK,), 0.0, dtype=tl.float32)
     p_m = part_ptr + offs  # pointer increments keep the offsets 64-bit
     p_s = p_m + plane
     p_zt = p_s + plane
@@ -151,11 +155,20 @@ def lce_combine_kernel(
         m_s = tl.load(p_m, mask=mask, other=M_INIT)
         s_s = tl.load(p_s, mask=mask, other=1.0)  # masked lanes: lse = M_INIT, no log(0)
         m_new = tl.maximum(m, m_s)
-        s = s * tl.exp2((m - m_new) * LOG2E) + s_s * tl.exp2((m_s - m_new) * LOG2E)
+        rescale = tl.exp2((m - m_new) * LOG2E)
+        s = s * rescale
+        s_c = s_c * rescale
+        y = s_s * tl.exp2((m_s - m_new) * LOG2E) - s_c
+        total = s + y
+        s_c = (total - s) - y
+        s = total
         m = m_new
-        zt += tl.load(p_zt, mask=mask, other=0.0)
+        zt += tl.load(p_zt, mask=mask, other=0.0)  # one split holds the target: exact
         if NEED_SUM_Z:
-            sz += tl.load(p_sz, mask=mask, other=0.0)
+            y = tl.load(p_sz, mask=mask, other=0.0) - sz_c
+            total = sz + y
+            sz_c = (total - sz) - y
+            sz = total
         if NEED_ST:
             st += tl.load(p_st, mask=mask, other=0.0)
         p_m += N
