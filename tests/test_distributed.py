@@ -233,6 +233,47 @@ def _op_checks(mesh):
             torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-12, atol=1e-12)
 
 
+def aot_graphs(fn, *args):
+    """The forward and backward graphs AOTAutograd makes of ``fn`` after our pass (Inductor's
+    min-cut partitioner, no code generation), after one forward and backward."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from inductor_xent import patterns
+
+    graphs = []
+
+    def record(gm, _):
+        graphs.append(gm)
+        return gm.forward
+
+    def backend(gm, example_inputs):
+        patterns.run(gm)
+        return aot_autograd(fw_compiler=record, bw_compiler=record,
+                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+
+    torch.compile(fn, backend=backend)(*args).backward()
+    return graphs
+
+
+def _check_graphs(model, ids, labels, world_size):
+    """No [N, V/tp] (or [N, V]) tensor in either graph; our two ops; two all-reduces of per-row
+    statistics forward, and one backward (the hidden states' gradient)."""
+    fw, bw = aot_graphs(lambda i, y: model(i, y), ids, labels)
+    rows, shard = BATCH * SEQ, V // world_size
+    for g in (fw, bw):
+        for n in g.graph.nodes:
+            v = n.meta.get("val")
+            if isinstance(v, torch.Tensor) and v.dim() and v.shape[-1] in (shard, V):
+                assert v.numel() < rows * shard, f"{n.name} {tuple(v.shape)} is a logits-sized tensor"
+
+    def calls(g, name):
+        return sum(name in str(n.target) for n in g.graph.nodes if n.op == "call_function")
+
+    assert calls(fw, "inductor_xent.linear_ce_fwd") == 1 and calls(bw, "inductor_xent.linear_ce_bwd") == 1
+    assert calls(fw, "all_reduce") == 2 and calls(bw, "all_reduce") == 1, (calls(fw, "all_reduce"), calls(bw, "all_reduce"))
+
+
 def _tp_worker(rank, world_size, spellings, options, op_checks=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
@@ -254,9 +295,11 @@ def _tp_worker(rank, world_size, spellings, options, op_checks=False):
             loss.backward()
         assert xent_counters() == {"sites_fused": 1, "fused.lm_head_cross_entropy": 1}, (spelling, xent_counters())
         assert_matches(loss, model, reference([(ids, labels)], **kw))
-        if spelling == "loss_parallel":
+        if spelling == "loss_parallel" and op_checks:
             with loss_context(spelling):
                 report = inductor_xent.explain(lambda i, y, m=model: m(i, y), ids, labels)
+                fresh()
+                _check_graphs(model, ids, labels, world_size)
             assert report.fused_count == 1, str(report)
             assert f"vocabulary-parallel over {world_size} ranks" in report.sites[0].reason, str(report)
 
