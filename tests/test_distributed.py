@@ -232,6 +232,14 @@ def _op_checks(mesh):
         for got, want in zip(dts, ref_leaves):
             torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-12, atol=1e-12)
 
+    # a frozen weight: only the hidden states' gradient (the op's needs_weight=False)
+    x, w, t = torch.randn(7, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64), torch.randint(0, V, (7,))
+    xr = x.clone().requires_grad_()
+    oracle.linear_cross_entropy(xr, w, t).backward()
+    xd = distribute_tensor(x, mesh, [Replicate()]).requires_grad_()
+    inductor_xent.linear_cross_entropy(xd, distribute_tensor(w, mesh, [Shard(0)]), t).backward()
+    torch.testing.assert_close(xd.grad.full_tensor(), xr.grad, rtol=1e-12, atol=1e-12)
+
 
 def aot_graphs(fn, *args):
     """The forward and backward graphs AOTAutograd makes of ``fn`` after our pass (Inductor's
