@@ -2,24 +2,28 @@
 
 Tensor parallelism shards the lm_head weight over the vocabulary (``ColwiseParallel``: ``weight``
 ``Shard(0)`` on one mesh dim, the hidden states ``Replicate``). Importing this module registers
-DTensor rules (``torch.library.register_torch_dispatch``) for ``linear_ce_fwd`` and
-``linear_ce_bwd``, so both ops accept such DTensors: eagerly, and inside a compiled graph where the
-pass put them (AOTAutograd traces the rules into plain ops and functional collectives; the graph
-stays one graph). Each rank runs the single-rank op on its shard ``[offset, offset + V/tp)``.
+DTensor rules (``torch.library.register_torch_dispatch``) for ``linear_ce_fwd``,
+``linear_ce_bwd`` and ``linear_ce_store``, so the ops accept such DTensors: eagerly (the public
+``linear_cross_entropy`` too), and inside a compiled graph where the pass put them (AOTAutograd
+traces the rules into plain ops and functional collectives; the graph stays one graph). Each rank
+runs the single-rank recompute ops on its shard ``[offset, offset + V/tp)``; the store rule is the
+same forward and backward in one call.
 
 Forward, per row (``z`` the rank's logits, ``V`` the whole vocabulary)::
 
-    lse_r  = logsumexp(z)                                   the fused op, target ignored
+    lse_r  = logsumexp(z)                                   the fused op, target ignored (+ lse_lo_r)
     zt_r   = z[t] if offset <= t < offset + V/tp else 0     one gathered weight row per row: O(N·D)
     sz_r   = Σ z   (label smoothing only; without softcap Σ z = scale·(x·ΣW + Σb): O(N·D))
-    M      = all_reduce_max(lse_r);  [S, zt, sz] = all_reduce_sum([exp(lse_r - M), zt_r, sz_r])
-    lse    = M + log S
-    loss   = (1-ε)(lse - zt) + ε(lse - sz/V) + z_loss·lse²          (0 on ignored rows)
+    M      = all_reduce_max(lse_r);  [S, zt, sz] = all_reduce_sum([exp(lse_r - M + lse_lo_r), zt_r, sz_r])
+    lse    = M + log S   (and its rounding residual lse_lo, as the single-rank op returns it)
+    loss   = log S + (1-ε)(M - zt) + ε(M - sz/V) + z_loss·lse²      (0 on ignored rows)
 
-Two all-reduces of O(N) floats; no ``[N, V/tp]`` tensor beyond the op's own row chunks. The outputs
-``(loss, lse)`` are ``Replicate`` DTensors.
+The loss is formed relative to ``M``, never as ``lse - zt``, as the single-rank op does (when every
+logit is huge the rounding of ``lse`` would swallow ``log S``). Two all-reduces of O(N) floats; no
+``[N, V/tp]`` tensor beyond the op's own row chunks. The outputs ``(loss, lse, lse_lo)`` are
+``Replicate`` DTensors.
 
-Backward: the single-rank backward op on the shard, given the *global* lse, already computes
+Backward: the single-rank backward op on the shard, given the *global* lse (and lse_lo), computes
 ``g·(p - onehot) + c·p`` with the global softmax ``p``. Rows whose target lies in another shard are
 passed as ignored with their ``g`` moved into ``c`` (no one-hot term here); label smoothing enters
 as ``(1-ε)·g`` on the one-hot and ``ε·g`` on ``p``, and its uniform ``-ε·g/V`` term is a rank-one
@@ -44,13 +48,12 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from . import fallback, ops  # noqa: F401  (ops registers torch.ops.inductor_xent)
-from .reference import compute_dtype
+from . import fallback, ops
+from .options import compute_dtype
 
 log = logging.getLogger(__name__)
 
-_FWD = torch.ops.inductor_xent.linear_ce_fwd
-_BWD = torch.ops.inductor_xent.linear_ce_bwd
+_FWD, _BWD = ops.FORWARD, ops.BACKWARD
 
 
 class Layout(NamedTuple):
@@ -152,93 +155,133 @@ def _rows(t: Tensor, lay: Layout, ignore_index: int):
 # ---------------------------------------------------------------------------------------------
 # forward
 # ---------------------------------------------------------------------------------------------
-def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
-    """``linear_ce_fwd`` on DTensors: per-row (loss, lse), both Replicate DTensors."""
-    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
-    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
-    if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
-        fallback.check_targets(t, lay.vocab, ignore_index)
+def _forward(lay: Layout, x, w, b, t, ignore_index, eps, logit_scale, softcap, z_loss):
+    """Local tensors in, per-row (loss, lse, lse_lo) out, the same on every vocabulary rank."""
     cd = compute_dtype(x.dtype)
-    eps = label_smoothing
     # the shard's logsumexp from the fused op; every target ignored, so its loss output is unused
-    _, lse_r = _FWD(x, w, b, torch.full_like(t, ignore_index), ignore_index, 0.0, logit_scale, softcap, 0.0)
+    _, lse_r, lse_lo_r = _FWD(x, w, b, torch.full_like(t, ignore_index), ignore_index, 0.0, logit_scale, softcap,
+                              0.0)
     valid, mine, local_t = _rows(t, lay, ignore_index)
     zt = torch.where(mine, _target_logit(x, w, b, torch.where(mine, local_t, 0), logit_scale, softcap, cd), 0.0)
     m = _all_reduce(lse_r, "max", lay)
-    parts = [torch.exp(lse_r - m), zt]
+    parts = [torch.exp((lse_r - m) + lse_lo_r), zt]
     if eps:  # Σz of the shard; linear in z because there is no softcap (layout() checks)
         sz = x.to(cd) @ w.sum(0, dtype=cd)
         if b is not None:
             sz = sz + b.sum(dtype=cd)
         parts.append(sz * logit_scale)
     sums = _all_reduce(torch.stack(parts), "sum", lay)
-    lse = m + torch.log(sums[0])
-    loss = (1 - eps) * (lse - sums[1])
+    log_s = torch.log(sums[0])
+    lse = m + log_s
+    lse_lo = (m - lse) + log_s
+    loss = log_s + (1 - eps) * (m - sums[1])
     if eps:
-        loss = loss + eps * (lse - sums[2] / lay.vocab)
+        loss = loss + eps * (m - sums[2] / lay.vocab)
     if z_loss:
         loss = loss + z_loss * lse.square()
-    loss = torch.where(valid, loss, 0.0)
-    return _replicate(loss, hidden), _replicate(lse, hidden)
+    return torch.where(valid, loss, 0.0), lse, lse_lo
+
+
+def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
+    """``linear_ce_fwd`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors."""
+    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
+    if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
+        fallback.check_targets(t, lay.vocab, ignore_index)
+    out = _forward(lay, x, w, b, t, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
+    return tuple(_replicate(o, hidden) for o in out)
 
 
 # ---------------------------------------------------------------------------------------------
 # backward
 # ---------------------------------------------------------------------------------------------
-def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, ignore_index, label_smoothing,
-             logit_scale, softcap, z_loss, needs_hidden, needs_weight, needs_bias):
-    """``linear_ce_bwd`` on DTensors: (grad_hidden as a Partial DTensor, grad_weight and grad_bias
-    placed like weight and bias); an unneeded gradient is an empty Replicate DTensor."""
-    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
-    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
+def _backward(lay: Layout, g, h, x, w, b, t, lse, lse_lo, ignore_index, eps, logit_scale, softcap, z_loss, needs):
+    """Local tensors in (``g``, ``h``: the incoming gradients of the per-row loss and lse; ``lse``,
+    ``lse_lo``: the global ones), this rank's (grad_hidden share, grad_weight, grad_bias) out."""
     cd = compute_dtype(x.dtype)
-    eps = label_smoothing
-    lse_l = _local(lse).to(cd)
+    lse = lse.to(cd)
     valid, mine, local_t = _rows(t, lay, ignore_index)
-    g = torch.where(valid, _local(grad_loss).to(cd), 0.0)
+    g = torch.where(valid, g.to(cd), 0.0)
     # coefficient of the softmax p: the lse gradient, the z-loss, and the share of g the op does not
     # apply itself (ε·g on this shard's targets; all of g where the target is in another shard)
-    c = _local(grad_lse).to(cd) + g * (1 - mine.to(cd) * (1 - eps))
+    c = h.to(cd) + g * (1 - mine.to(cd) * (1 - eps))
     if z_loss:
-        c = c + 2 * z_loss * lse_l * g
-    need_b = needs_bias and b is not None
-    gh, gw, gb = _BWD((1 - eps) * g, c, x, w, b, local_t, lse_l, ignore_index, 0.0, logit_scale, softcap, 0.0,
-                      needs_hidden, needs_weight, need_b)
+        c = c + 2 * z_loss * lse * g
+    need_h, need_w, need_b = needs
+    gh, gw, gb = _BWD((1 - eps) * g, c, x, w, b, local_t, lse, lse_lo.to(cd), ignore_index, 0.0, logit_scale,
+                      softcap, 0.0, need_h, need_w, need_b)
     if eps:  # the uniform -ε·g/V term on every logit (no softcap: layout() checks)
         k = (-eps * logit_scale / lay.vocab) * g
-        if needs_hidden:
+        if need_h:
             gh = (gh.to(cd) + k[:, None] * w.sum(0, dtype=cd)).to(gh.dtype)
-        if needs_weight:
+        if need_w:
             gw = (gw.to(cd) + (k @ x.to(cd))[None, :]).to(gw.dtype)
         if need_b:
             gb = (gb.to(cd) + k.sum()).to(gb.dtype)
+    return gh, gw, gb
+
+
+def _grads(lay: Layout, hidden, weight, bias, grads, needs):
+    """This rank's gradients as DTensors: grad_hidden Partial over the vocabulary ranks (DTensor
+    sums it where the hidden states became a DTensor), grad_weight and grad_bias placed like weight
+    and bias; an unneeded one is an empty Replicate DTensor."""
+    gh, gw, gb = grads
     partial = [Replicate()] * len(hidden.placements)
     partial[lay.dim] = Partial()
     return (
-        _placed(gh, hidden, partial) if needs_hidden else _replicate(gh, hidden),
-        _placed(gw, weight, weight.placements) if needs_weight else _replicate(gw, weight),
-        _placed(gb, bias, bias.placements) if need_b else _replicate(gb, weight),
+        _placed(gh, hidden, partial) if needs[0] else _replicate(gh, hidden),
+        _placed(gw, weight, weight.placements) if needs[1] else _replicate(gw, weight),
+        _placed(gb, bias, bias.placements) if needs[2] else _replicate(gb, weight),
     )
 
 
+def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ignore_index, label_smoothing,
+             logit_scale, softcap, z_loss, needs_hidden, needs_weight, needs_bias):
+    """``linear_ce_bwd`` on DTensors (see ``_grads`` for the placements)."""
+    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
+    needs = (needs_hidden, needs_weight, needs_bias and b is not None)
+    grads = _backward(lay, _local(grad_loss), _local(grad_lse), x, w, b, t, _local(lse), _local(lse_lo),
+                      ignore_index, label_smoothing, logit_scale, softcap, z_loss, needs)
+    return _grads(lay, hidden, weight, bias, grads, needs)
+
+
+def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
+          chunk_rows, needs_hidden, needs_weight, needs_bias):
+    """``linear_ce_store`` on DTensors: the reduced loss (a Replicate DTensor) and its gradients,
+    from the recompute forward and backward above (8·N·D·V/tp per rank, not the single-rank store's
+    6·N·D·V: there is no vocabulary-parallel store kernel; the pass always picks recompute here)."""
+    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
+    if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
+        fallback.check_targets(t, lay.vocab, ignore_index)
+    opts = (ignore_index, label_smoothing, logit_scale, softcap, z_loss)
+    rows, lse, lse_lo = _forward(lay, x, w, b, t, *opts)
+    valid = t != ignore_index
+    if reduction == "mean":
+        count = valid.sum().to(rows.dtype)
+        loss, g = rows.sum() / count, torch.where(valid, 1.0 / count, 0.0)
+    else:
+        loss, g = rows.sum(), valid.to(rows.dtype)
+    needs = (needs_hidden, needs_weight, needs_bias and b is not None)
+    grads = _backward(lay, g, torch.zeros_like(lse), x, w, b, t, lse, lse_lo, *opts, needs)
+    return (_replicate(loss, hidden), *_grads(lay, hidden, weight, bias, grads, needs))
+
+
 # ---------------------------------------------------------------------------------------------
-# registration: DTensor rules for the two ops
+# registration: DTensor rules for the ops
 # ---------------------------------------------------------------------------------------------
-def _args(func, args, kwargs) -> list:
-    names = [a.name for a in func._schema.arguments]
-    return [*args, *(kwargs[n] for n in names[len(args):])]
+def _rule(impl):
+    def rule(mode, func, types, args, kwargs):
+        names = [a.name for a in func._schema.arguments]
+        return impl(*args, *(kwargs[n] for n in names[len(args):]))
+
+    return rule
 
 
-def _fwd_rule(mode, func, types, args, kwargs):
-    return forward(*_args(func, args, kwargs))
-
-
-def _bwd_rule(mode, func, types, args, kwargs):
-    return backward(*_args(func, args, kwargs))
-
-
-torch.library.register_torch_dispatch("inductor_xent::linear_ce_fwd", DTensor, _fwd_rule)
-torch.library.register_torch_dispatch("inductor_xent::linear_ce_bwd", DTensor, _bwd_rule)
+torch.library.register_torch_dispatch("inductor_xent::linear_ce_fwd", DTensor, _rule(forward))
+torch.library.register_torch_dispatch("inductor_xent::linear_ce_bwd", DTensor, _rule(backward))
+torch.library.register_torch_dispatch("inductor_xent::linear_ce_store", DTensor, _rule(store))
 
 
 def replicate_like(t: Tensor, like: DTensor) -> DTensor:
@@ -247,4 +290,4 @@ def replicate_like(t: Tensor, like: DTensor) -> DTensor:
     return _replicate(t, like)
 
 
-__all__ = ["Layout", "layout", "forward", "backward", "replicate_like"]
+__all__ = ["Layout", "layout", "forward", "backward", "store", "replicate_like"]

@@ -12,6 +12,7 @@ counters or ``explain``; an assertion in any rank fails the test with that rank'
 from __future__ import annotations
 
 import datetime
+import math
 import time
 
 import pytest
@@ -23,6 +24,8 @@ import torch.nn.functional as F
 
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with the gloo backend is not available", allow_module_level=True)
+
+import inductor_xent  # noqa: E402  (backend="inductor_xent" in every rank, also from a source tree)
 
 # V divisible by 2 and 4 (the vocabulary shards), SEQ by 4 (the sequence-parallel shards); UNEVEN is
 # a prime vocabulary that no shard count divides
@@ -203,34 +206,51 @@ OP_GRID = [(0.0, 0.0, None, 1.0, False), (0.1, 1e-2, None, 0.5, True), (0.0, 1e-
 
 
 def _op_checks(mesh):
-    """``linear_ce_fwd`` with a Shard(0) DTensor weight (eagerly, through the public function):
-    the loss and every gradient of the single-process oracle, to float64 rounding."""
+    """The ops with a Shard(0) DTensor weight, eagerly: ``linear_ce_fwd`` / ``linear_ce_bwd``
+    (what the pass emits: per-row losses, any incoming gradient) and ``linear_ce_store`` (what the
+    public function calls for a reduced loss) give the single-process oracle's loss and every
+    gradient, to float64 rounding."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    import inductor_xent
     import inductor_xent.distributed  # noqa: F401  (the DTensor rules)
+    from inductor_xent import ops
     from inductor_xent import reference as oracle
 
     torch.manual_seed(0)
     for eps, z_loss, softcap, scale, with_bias in OP_GRID:
-        x, w = torch.randn(3, 5, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
+        x, w = torch.randn(15, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64)
         b = torch.randn(V, dtype=torch.float64) if with_bias else None
-        t = torch.randint(0, V, (3, 5))
-        t[0] = -100  # an all-ignored row of the batch
-        t[1, ::2] = -100
-        kw = dict(label_smoothing=eps, z_loss=z_loss, softcap=softcap, logit_scale=scale, reduction="sum")
+        t = torch.randint(0, V, (15,))
+        t[:5] = -100  # ignored rows, and targets in every shard
+        t[5:9] = torch.arange(4) * (V // 4)
+        row_weights = torch.rand(15, dtype=torch.float64)  # an incoming gradient that is not all ones
+        kw = dict(label_smoothing=eps, z_loss=z_loss, softcap=softcap, logit_scale=scale)
         leaves = [x, w] + ([b] if with_bias else [])
-        ref_leaves = [p.clone().requires_grad_() for p in leaves]
-        oracle.linear_cross_entropy(ref_leaves[0], ref_leaves[1], t, bias=ref_leaves[2] if with_bias else None,
-                                    **kw).backward()
         placements = [[Replicate()], [Shard(0)], [Shard(0)]]
-        dts = [distribute_tensor(p, mesh, pl).requires_grad_() for p, pl in zip(leaves, placements)]
-        loss = inductor_xent.linear_cross_entropy(dts[0], dts[1], t, bias=dts[2] if with_bias else None, **kw)
-        loss.backward()
-        expected = oracle.linear_cross_entropy(*leaves[:2], t, bias=b, **kw)
-        torch.testing.assert_close(loss.full_tensor(), expected, rtol=1e-12, atol=1e-12)
-        for got, want in zip(dts, ref_leaves):
-            torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-12, atol=1e-12)
+        for path in ("recompute", "store"):
+            ref = [p.clone().requires_grad_() for p in leaves]
+            dts = [distribute_tensor(p, mesh, pl).requires_grad_() for p, pl in zip(leaves, placements)]
+            bias_ref, bias_dt = (ref[2], dts[2]) if with_bias else (None, None)
+            if path == "recompute":
+                expected = (oracle.linear_cross_entropy(ref[0], ref[1], t, bias=bias_ref, reduction="none", **kw)
+                            * row_weights).sum()
+                rows, _, _ = ops.FORWARD(dts[0], dts[1], bias_dt, t, -100, eps, scale, softcap, z_loss)
+                loss = (rows.to_local() * row_weights).sum()
+            else:
+                expected = oracle.linear_cross_entropy(ref[0], ref[1], t, bias=bias_ref, reduction="mean", **kw)
+                loss = inductor_xent.linear_cross_entropy(dts[0], dts[1], t, bias=bias_dt, reduction="mean",
+                                                          strategy="store", **kw)
+            expected.backward()
+            loss.backward()
+            torch.testing.assert_close(full(loss).detach(), expected.detach(), rtol=1e-12, atol=1e-12, msg=path)
+            for got, want in zip(dts, ref):
+                torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-12, atol=1e-12, msg=path)
+
+    # every logit 2^24 in float32: log V, which lse - z_t (both rounded to 2^24) would lose
+    x, w = torch.full((3, 1), 2.0**12), torch.full((V, 1), 2.0**12)
+    loss = inductor_xent.linear_cross_entropy(distribute_tensor(x, mesh, [Replicate()]),
+                                              distribute_tensor(w, mesh, [Shard(0)]), torch.tensor([0, 5, V - 1]))
+    torch.testing.assert_close(loss.full_tensor(), torch.tensor(math.log(V)), rtol=1e-6, atol=0)
 
     # a frozen weight: only the hidden states' gradient (the op's needs_weight=False)
     x, w, t = torch.randn(7, D, dtype=torch.float64), torch.randn(V, D, dtype=torch.float64), torch.randint(0, V, (7,))
@@ -285,8 +305,6 @@ def _check_graphs(model, ids, labels, world_size):
 def _tp_worker(rank, world_size, spellings, options, op_checks=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
-
-    import inductor_xent
 
     mesh = init_device_mesh("cpu", (world_size,))
     if op_checks:
@@ -456,8 +474,6 @@ def _decline_worker(rank, world_size):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    import inductor_xent
 
     mesh = init_device_mesh("cpu", (world_size,))
     cases = {

@@ -27,7 +27,16 @@ from torch.fx import GraphModule, Node
 
 from .. import config, ops, strategy
 from ..options import FLOAT_DTYPES
-from . import _dtensor, _logits, _mutation, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
+from . import (
+    _dtensor,
+    _logits,
+    _mutation,
+    lm_head_cross_entropy,
+    log_softmax_nll,
+    logsumexp_minus_gather,
+    one_hot,
+    z_loss,
+)
 from ._fx import Emitter, hint, same, tval
 from ._site import NO_IGNORE, Decline, LossSite
 
@@ -280,6 +289,8 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
 def _strategy(site: LossSite, chain: _logits.Logits, plan: dict, which, budget) -> strategy.Plan:
     """The gradient strategy of a site about to be rewritten (strategy.plan, from the example values'
     sizes as hints and their requires_grad: which gradients the graph will ask for)."""
+    if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
+        return strategy.Plan("recompute", reason="no vocabulary-parallel store kernel")
     tx, tw = tval(chain.hidden), tval(chain.weight)
     d = tw.shape[1] if chain.weight_is_vd else tw.shape[0]
     v = tw.shape[0] if chain.weight_is_vd else tw.shape[1]

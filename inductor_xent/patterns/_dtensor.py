@@ -25,6 +25,7 @@ from typing import Any, Optional
 
 from torch.fx import Node
 
+from .. import compat
 from ._fx import tval
 
 _SAME_VALUE = ("redistribute", "full_tensor")
@@ -44,15 +45,16 @@ def involved(chain) -> bool:
 def step(node: Node) -> Optional[tuple[str, Node, Any]]:
     """A DTensor op between the matmul and the loss that keeps the logits' global value, as a
     ``_logits`` step ("noop", input, None); None for anything else."""
-    if node.op != "call_method" or not node.args or not isinstance(node.args[0], Node):
+    call = compat.dtensor_method(node) if node.op in ("call_method", "call_function") else None
+    if call is None or not node.args or not isinstance(node.args[0], Node):
         return None
+    name, args, kwargs = call
     src = tval(node.args[0])
-    if not _is_dtensor(src):
+    if not _is_dtensor(src) or kwargs.get("grad_placements") is not None:
         return None
-    if node.target in _SAME_VALUE and node.kwargs.get("grad_placements") is None and len(node.args) == 1:
+    if name in _SAME_VALUE and not (name == "full_tensor" and args):
         return "noop", node.args[0], None
-    if node.target == "to_local" and len(node.args) == 1 and node.kwargs.get("grad_placements") is None \
-            and all(p.is_replicate() for p in src.placements):
+    if name == "to_local" and not args and all(p.is_replicate() for p in src.placements):
         return "noop", node.args[0], None
     return None
 
