@@ -6,6 +6,9 @@
 * ``compile_fx`` grew ``compile_region_name`` in 2.13; we never pass it.
 * ``aot_eager_decomp_partition`` (the fast CPU test path: AOTAutograd + Inductor's decompositions and
   partitioner, no code generation) exists in both.
+* DTensor methods in Dynamo graphs: 2.13+ records ``dt.redistribute(...)`` / ``dt.to_local(...)`` as
+  ``call_method`` nodes; 2.11 as a ``call_function`` of a closure named ``prim_redistribute`` /
+  ``prim_to_local`` that holds the arguments (``dtensor_method`` reads both).
 """
 
 from __future__ import annotations
@@ -132,3 +135,18 @@ def inductor_config_keys() -> set:
     from torch._inductor import config
 
     return set(config.get_config_copy())
+
+
+def dtensor_method(node: torch.fx.Node) -> Optional[tuple[str, tuple, dict]]:
+    """(method name, arguments after the tensor, keyword arguments) of a tensor method call in a
+    Dynamo graph, including 2.11's ``prim_<method>`` closures for DTensor methods; None otherwise."""
+    if node.op == "call_method":
+        return node.target, tuple(node.args[1:]), dict(node.kwargs)
+    fn = node.target if node.op == "call_function" else None
+    name = getattr(fn, "__name__", "")
+    if not name.startswith("prim_") or getattr(fn, "__closure__", None) is None or len(node.args) != 1:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in fn.__closure__)))
+    if "args_as_value" not in cells or "kwargs_as_value" not in cells:
+        return None
+    return name[len("prim_"):], tuple(cells["args_as_value"]), dict(cells["kwargs_as_value"])

@@ -27,7 +27,16 @@ from torch.fx import GraphModule, Node
 
 from .. import config, ops, strategy
 from ..options import FLOAT_DTYPES
-from . import _logits, _mutation, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot, z_loss
+from . import (
+    _dtensor,
+    _logits,
+    _mutation,
+    lm_head_cross_entropy,
+    log_softmax_nll,
+    logsumexp_minus_gather,
+    one_hot,
+    z_loss,
+)
 from ._fx import Emitter, hint, same, tval
 from ._site import NO_IGNORE, Decline, LossSite
 
@@ -176,6 +185,9 @@ def _fused_reason(site: LossSite, chain: _logits.Logits, plan: dict) -> str:
         parts.append("slice pushed onto the hidden states")
     if not chain.weight_is_vd:
         parts.append("[D, V] weight")
+    vocab_parallel = _dtensor.describe(chain)
+    if vocab_parallel:
+        parts.append(vocab_parallel)
     if plan["lse_users"]:
         parts.append(f"{len(plan['lse_users'])} logsumexp mapped onto the op's lse")
     if plan["escapes"]:
@@ -197,6 +209,9 @@ def _plan(gm, site: LossSite, chain: _logits.Logits, allow_escaping: bool, autoc
     devices = {t.device for t in (tx, tw, tt, tb) if t is not None}
     if len(devices) != 1 or next(iter(devices)).type not in SUPPORTED_DEVICES:
         return f"unsupported device(s) {sorted(map(str, devices))}"
+    dtensor = _dtensor.decline_reason(site, chain)  # tensor parallelism: a layout we can run?
+    if dtensor:
+        return dtensor
     tz = tval(site.logits)
     rows = 1
     for size in tz.shape[:-1]:
@@ -274,6 +289,8 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
 def _strategy(site: LossSite, chain: _logits.Logits, plan: dict, which, budget) -> strategy.Plan:
     """The gradient strategy of a site about to be rewritten (strategy.plan, from the example values'
     sizes as hints and their requires_grad: which gradients the graph will ask for)."""
+    if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
+        return strategy.Plan("recompute", reason="no vocabulary-parallel store kernel")
     tx, tw = tval(chain.hidden), tval(chain.weight)
     d = tw.shape[1] if chain.weight_is_vd else tw.shape[0]
     v = tw.shape[0] if chain.weight_is_vd else tw.shape[1]
@@ -402,7 +419,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
         int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
         None if chain.softcap is None else float(chain.softcap), 0.0,
     )
-    rows, lse = e.getitem(out, 0), e.getitem(out, 1)
+    rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
 
     # the loss
     if site.reduction == "mean":
@@ -416,7 +433,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
             loss = e.method("squeeze", loss, -1)
     if site.negate:
         loss = e.call(operator.neg, loss)
-    loss = _cast_like(e, loss, site.loss)
+    loss = _dtensor.restore(e, _cast_like(e, loss, site.loss), site.loss, chain)
     site.loss.replace_all_uses_with(loss)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
@@ -432,7 +449,7 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
             value = e.method("view", lse, e.getitem(e.method("size", like), slice(None, -1)))
             if keepdim:
                 value = e.method("unsqueeze", value, -1)
-        u.replace_all_uses_with(_cast_like(e, value, u))
+        u.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, u), u, chain))
     return _erase_dead(gm, site, chain, plan, erased)
 
 

@@ -27,6 +27,7 @@ from typing import Any, Optional, Union
 import torch
 from torch.fx import Node
 
+from . import _dtensor
 from ._fx import arg, is_call, norm_dim, number, same, tval
 
 LINEAR = (torch._C._nn.linear,)
@@ -208,7 +209,7 @@ def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
                     and same(tb.shape[0], out.shape[-1]):
                 return "bias", src, bias
         return None
-    return None
+    return _dtensor.step(node)  # redistribute / to_local of tensor-parallel (DTensor) logits
 
 
 def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
