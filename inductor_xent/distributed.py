@@ -247,7 +247,7 @@ def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ign
 
 
 def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
-          chunk_rows, needs_hidden, needs_weight, needs_bias):
+          chunk_rows, budget, needs_hidden, needs_weight, needs_bias):
     """``linear_ce_store`` on DTensors: the reduced loss (a Replicate DTensor) and its gradients,
     from the recompute forward and backward above (8·N·D·V/tp per rank, not the single-rank store's
     6·N·D·V: there is no vocabulary-parallel store kernel; the pass always picks recompute here)."""
