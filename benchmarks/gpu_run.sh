@@ -13,7 +13,8 @@
 # not stop the next.
 set -uo pipefail
 STEPS=${1:-tests}
-OUT=${OUT:-out}; mkdir -p "$OUT"
+FINAL=${OUT:-out}  # what comes back: all.tgz (every log, JSON and PNG) and a few files to look at at once
+OUT=$FINAL/raw; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 # as the README installs it (the entry point registers the backend); the source tree if that fails
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
@@ -36,10 +37,18 @@ for step in ${STEPS//,/ }; do
                    --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         full)  timeout 540 $BENCH 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
+        final) # the issue's table in one run: peers, every strategy, llama3-8b on both data sets
+               mkdir -p "$OUT/llama" "$OUT/others"
+               timeout 260 $BENCH --quick --shapes llama3-8b --out "$OUT/llama" \
+                   --methods cublas,compile,liger,cce,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
+                   | tee "$OUT/bench_llama.log" | grep -E "^\||error"
+               timeout 200 $BENCH --quick --shapes gemma2-2b,gpt2 --data gauss --out "$OUT/others" \
+                   --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
+                   | tee "$OUT/bench_others.log" | grep -E "^\||error" ;;
         sweep) timeout 200 $BENCH --sweep --quick --shapes llama3-8b \
                    --configs m128n256k64w8s3,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma,m128n256k64w8s3tma_ws1,m128n256k64w8s3tma_ws2,m128n256k64w8s3_ws1 2>&1 \
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
-        e2e)   timeout 200 python3 -m inductor_xent bench e2e --warmup 2 --steps 8 --out "$OUT" 2>&1 \
+        e2e)   timeout 230 python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --out "$OUT" 2>&1 \
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
                    python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
@@ -47,3 +56,8 @@ for step in ${STEPS//,/ }; do
     esac
 done
 echo "=== done $(date -u +%T)"
+tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
+for f in pytest.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json; do
+    [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
+done
+rm -rf "$OUT"

@@ -26,6 +26,12 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 V, D, B, T = 37, 16, 2, 7
 OP = torch.ops.inductor_xent.linear_ce_fwd.default
+STORE = torch.ops.inductor_xent.linear_ce_store.default  # mean/sum sites may take the store strategy (auto)
+
+
+def fused_ops(targets) -> int:
+    """How many fused ops (either strategy's) a recorded graph holds."""
+    return sum(t is OP or t is STORE for t in targets)
 SOURCE_TARGETS = {F.cross_entropy, F.nll_loss, torch._C._nn.linear, operator.matmul, torch.matmul, torch.mm,
                   torch.logsumexp, F.log_softmax}
 SOURCE_METHODS = {"log_softmax", "gather", "logsumexp"}
@@ -240,7 +246,7 @@ def test_spelling_fuses_and_matches_eager(name):
     assert_parity(fn, make_inputs(), rec, what=name)
     assert len(rec.before) == 1, "one graph, no graph break"
     assert _sources(rec.before[0]), "the source ops are in the graph before the pass"
-    assert rec.after[0].count(OP) == 1
+    assert fused_ops(rec.after[0]) == 1
     assert _sources(rec.after[0]) == [], f"source ops left after the pass: {_sources(rec.after[0])}"
     assert counters["inductor_xent"]["sites_fused"] == 1
     assert counters["inductor_xent"][f"fused.{pattern}"] == 1
@@ -253,7 +259,7 @@ def test_inference_no_grad(name):
     rec = Recorder()
     with torch.no_grad():
         assert_parity(fn, make_inputs(), rec, requires_grad=False, what=name)
-    assert rec.after[0].count(OP) == 1
+    assert fused_ops(rec.after[0]) == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
@@ -262,7 +268,7 @@ def test_other_dtypes(dtype):
     fn, _ = SPELLINGS["linear_bias_float_sum" if dtype == torch.bfloat16 else "bias_add"]
     rec = Recorder()
     le, ge, lc, gc, l64, g64 = run_both(fn, make_inputs(dtype), rec)
-    assert rec.after[0].count(OP) == 1
+    assert fused_ops(rec.after[0]) == 1
     assert lc.dtype == le.dtype
     assert_within_torch_error(lc, le, l64, floor=1e-10 if dtype == torch.float64 else 1e-6, what="loss")
     for k in ge:
@@ -284,7 +290,7 @@ def test_partial_requires_grad():
         results.append((loss.detach(), W.grad))
     torch.testing.assert_close(results[1][0], results[0][0])
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
-    assert rec.after[0].count(OP) == 1
+    assert fused_ops(rec.after[0]) == 1
 
 
 def test_all_ignored_mean_is_nan_like_eager():
@@ -323,7 +329,7 @@ def test_modules_linear_and_cross_entropy_loss():
         results.append([loss.detach(), x.grad, head.lm_head.weight.grad, head.lm_head.bias.grad])
     for c, e in zip(results[1], results[0]):
         torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-6)
-    assert rec.after[0].count(OP) == 1 and torch.nn.functional.cross_entropy not in rec.after[0]
+    assert fused_ops(rec.after[0]) == 1 and torch.nn.functional.cross_entropy not in rec.after[0]
     assert counters["inductor_xent"]["fused.lm_head_cross_entropy"] == 1
 
 
@@ -335,7 +341,7 @@ def test_two_sites_in_one_graph():
         return a + c
     rec = Recorder()
     assert_parity(fn, make_inputs(), rec, what="two sites")
-    assert rec.after[0].count(OP) == 2
+    assert fused_ops(rec.after[0]) == 2
     assert counters["inductor_xent"]["sites_fused"] == 2
 
 
@@ -387,7 +393,7 @@ def test_declines_with_reason(name):
     fn, words = DECLINES[name]
     rec = Recorder()
     le, ge, lc, gc = run_both(fn, make_inputs(), rec, fp64=False)
-    assert rec.after[0].count(OP) == 0
+    assert fused_ops(rec.after[0]) == 0
     assert rec.after[0] == rec.before[0], "a declined site leaves the graph untouched"
     torch.testing.assert_close(lc, le)
     for k in ge:
@@ -429,7 +435,7 @@ def test_returned_logits_decline_then_fuse_when_allowed():
     ins = make_inputs()
     rec = Recorder()
     torch.compile(fn, backend=rec)(**ins)
-    assert rec.after[0].count(OP) == 0
+    assert fused_ops(rec.after[0]) == 0
     site = inductor_xent.explain(fn, **ins).sites[0]
     assert site.logits_escape and "graph output" in site.reason
 
@@ -444,7 +450,7 @@ def test_returned_logits_decline_then_fuse_when_allowed():
         out += [loss.detach(), logits.detach(), L["x"].grad, L["W"].grad]
     for a, c in zip(eager, compiled):
         torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
-    assert rec.after[0].count(OP) == 1
+    assert fused_ops(rec.after[0]) == 1
     assert torch._C._nn.linear in rec.after[0], "the logits are still computed for the caller"
     assert counters["inductor_xent"]["sites_fused"] == 1
 
@@ -468,7 +474,7 @@ def test_autocast_declines():
         eager = fn(**ins)
         compiled = torch.compile(fn, backend=rec)(**ins)
     torch.testing.assert_close(compiled, eager)
-    assert rec.after[0].count(OP) == 0 and counters["inductor_xent"]["sites_declined"] == 1
+    assert fused_ops(rec.after[0]) == 0 and counters["inductor_xent"]["sites_declined"] == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,7 +518,7 @@ def test_mark_dynamic_one_compile():
         torch._dynamo.mark_dynamic(ins["yv"], 0)
         torch.testing.assert_close(compiled(**ins), fn(**ins), rtol=1e-5, atol=1e-5)
     assert backend.frames == 1
-    assert backend.backend.after[0].count(OP) == 1
+    assert fused_ops(backend.backend.after[0]) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,7 +703,7 @@ def test_combinations_dynamic_true(combo):
             torch.testing.assert_close(compiled(**ins), fn(**ins), rtol=1e-5, atol=1e-5)
         frames.append(backend.frames)
         if enable:
-            assert counters["inductor_xent"]["sites_fused"] == frames[0] and backend.backend.after[0].count(OP) == 1
+            assert counters["inductor_xent"]["sites_fused"] == frames[0] and fused_ops(backend.backend.after[0]) == 1
     assert frames[0] == frames[1]
 
 
@@ -706,7 +712,7 @@ def test_combinations(combo):
     fn = _combination(combo)
     rec = Recorder()
     assert_parity(fn, make_inputs(), rec, what=str(combo))
-    assert rec.after[0].count(OP) == 1
+    assert fused_ops(rec.after[0]) == 1
     assert _sources(rec.after[0]) == []
     assert counters["inductor_xent"]["sites_fused"] == 1 and counters["inductor_xent"]["sites_declined"] == 0
 
