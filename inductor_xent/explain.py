@@ -12,6 +12,21 @@ from dataclasses import dataclass, field
 
 from . import patterns
 from .patterns import ESCAPE_HINT, Site
+from .patterns._logits import GRAPH_INPUT
+
+# what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
+# benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, 7 elsewhere in forward)
+LOSS_TYPE_HINT = (
+    "transformers logs a warning_once about loss_type=None inside forward (models whose class name gives "
+    "no loss type, e.g. GPT2LMHeadModel) and Dynamo cannot trace a logging.Logger call: set "
+    "model.loss_type = 'ForCausalLM' once before compiling"
+)
+NESTED_HINT = (
+    "Dynamo graph-breaks inside the model's forward ({}), so the forward's last graph ends at its return "
+    "and hands the whole output, logits included, to the caller: remove that break, or set "
+    "torch._dynamo.config.nested_graph_breaks = True before the first call (Dynamo then keeps tracing "
+    "the caller, and a function that returns only the loss fuses)"
+)
 
 
 @dataclass
@@ -19,6 +34,7 @@ class Report:
     sites: list[Site] = field(default_factory=list)
     graph_count: int = 0
     graph_break_count: int = 0
+    graph_break_reasons: list[str] = field(default_factory=list)  # the first line of each distinct one
 
     @property
     def fused_count(self) -> int:
@@ -90,11 +106,33 @@ def explain(fn, *args, **kwargs) -> Report:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    breaks = sum(counters["graph_break"].values())
+    before = dict(counters["graph_break"])
     try:
         with torch._dynamo.config.patch(suppress_errors=False):
             torch.compile(fn, backend=recording_backend)(*args, **kwargs)
-        report.graph_break_count = sum(counters["graph_break"].values()) - breaks
+        new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
+        report.graph_break_count = sum(new.values())
+        report.graph_break_reasons = [_first_line(k) for k in new]
+        for site in report.sites:
+            site.reason = _with_break_hint(site, report, new)
     finally:
         torch._dynamo.reset()
     return report
+
+
+def _first_line(text: str) -> str:
+    return str(text).strip().splitlines()[0] if str(text).strip() else str(text)
+
+
+def _with_break_hint(site: Site, report: Report, breaks: dict) -> str:
+    """A declined site's reason, plus what to change when a graph break is the cause."""
+    if site.fused or not breaks:
+        return site.reason
+    if site.reason == GRAPH_INPUT:
+        if any("loss_type=" in str(k) for k in breaks):
+            return f"{site.reason}; {LOSS_TYPE_HINT}"
+        return f"{site.reason}; Dynamo broke the graph at: {'; '.join(report.graph_break_reasons)}"
+    if site.logits_escape:
+        return f"{site.reason}; if the compiled function returns only the loss: " + NESTED_HINT.format(
+            "; ".join(report.graph_break_reasons))
+    return site.reason

@@ -1,7 +1,21 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the ``--zoo`` option: tests marked ``zoo`` (the whole transformers sweep,
+~20 minutes on 2 cores) run only when it is given."""
 
 import pytest
 import torch
+
+
+def pytest_addoption(parser):
+    parser.addoption("--zoo", action="store_true", help="run the whole transformers zoo sweep (tests marked zoo)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--zoo"):
+        return
+    skip = pytest.mark.skip(reason="the whole zoo sweep: run with --zoo -m zoo")
+    for item in items:
+        if item.get_closest_marker("zoo"):
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -221,3 +221,36 @@ def test_inductor_cpu_spellings(name):
     fn, _ = SPELLINGS[name]
     assert_parity(fn, make_inputs(), "inductor_xent", what=f"inductor {name}")
     assert counters["inductor_xent"]["sites_fused"] == 1
+
+
+def test_torch_compile_drops_backend_ctx_ctor():
+    """Why the backend sets no Dynamo option (nested_graph_breaks, ignore_logging_functions) for its own
+    frames: the only per-backend hook, a ``backend_ctx_ctor`` attribute entered around the compiled
+    frames, is honoured by ``torch._dynamo.optimize`` but not by ``torch.compile``, which wraps every
+    backend (string or callable, with or without options) in ``_TorchCompileWrapper`` without it
+    (torch 2.11 and 2.13). And the backend itself runs only after Dynamo has traced. If this fails,
+    torch has started honouring the hook: those options can then be scoped to our frames."""
+    entered = []
+
+    class Recording:
+        def __enter__(self):
+            entered.append(1)
+
+        def __exit__(self, *exc):
+            return False
+
+    def recording_backend(gm, example_inputs, **kwargs):
+        return gm.forward
+
+    recording_backend.backend_ctx_ctor = Recording
+
+    def f(x):
+        return x.sin() + 1
+
+    x = torch.randn(3)
+    torch.compile(f, backend=recording_backend)(x)
+    torch.compile(f, backend=recording_backend, options={"any": 1})(x)
+    assert entered == []
+    torch._dynamo.reset()
+    torch._dynamo.optimize(recording_backend)(f)(x)
+    assert entered

@@ -94,3 +94,37 @@ def test_dump_graphs_logs_before_and_after(monkeypatch, caplog):
     assert "graph before the pass" in text and "graph after the pass" in text
     assert text.index("torch.nn.functional.cross_entropy") < text.index("graph after the pass")
     assert "torch.ops.inductor_xent.linear_ce_fwd" in text.split("graph after the pass")[1]
+
+
+class _BreakingModel(torch.nn.Module):
+    """A forward that graph-breaks before its lm_head (an ``.item()``, as in some MoE routers) and
+    returns the logits with the loss, like a transformers ``CausalLMOutput``."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.body = torch.nn.Linear(d, d)
+        self.lm_head = torch.nn.Linear(d, V, bias=False)
+
+    def forward(self, x, y):
+        h = self.body(x)
+        if h.detach().abs().max().item() >= 0:  # graph break
+            h = torch.relu(h)
+        logits = self.lm_head(h)
+        return {"loss": F.cross_entropy(logits.view(-1, V), y.view(-1)), "logits": logits}
+
+
+def test_break_inside_forward_escape_names_nested_graph_breaks():
+    """A loss-only function around a forward that graph-breaks: Dynamo returns the logits from the
+    forward's last graph, and explain says which setting keeps them out of it (and that setting fuses)."""
+    ins = make_inputs()
+    model = _BreakingModel(ins["x"].shape[-1])
+
+    def loss_only(x, y):
+        return model(x, y)["loss"]
+
+    report = inductor_xent.explain(loss_only, ins["x"], ins["y"])
+    assert report.fused_count == 0 and report.logits_escape and report.graph_break_count >= 1
+    reason = report.sites[0].reason
+    assert "nested_graph_breaks = True" in reason and "Tensor.item()" in reason, reason
+    with torch._dynamo.config.patch(nested_graph_breaks=True):
+        assert inductor_xent.explain(loss_only, ins["x"], ins["y"]).fused_count == 1

@@ -206,3 +206,4 @@ def test_gpt2_default_loss_type_graph_break():
     assert report.graph_break_count >= 1 and report.fused_count == 0
     assert [s.fused for s in report.sites] == [False]
     assert "graph break separates the lm_head matmul from the loss" in report.sites[0].reason
+    assert "set model.loss_type = 'ForCausalLM'" in report.sites[0].reason

@@ -181,6 +181,34 @@ SPELLINGS.update({
 })
 
 
+def _prophetnet(x, W, Wdv, b, y, yv, n):
+    """ProphetNet: the streams' logits [B, ngram, T, V] moved to [ngram, B, T, V] before the loss
+    (here B and T play ngram and B); log_softmax with dtype=float32 then nll_loss."""
+    z = F.linear(x, W).transpose(0, 1).contiguous()
+    lp = F.log_softmax(z.view(-1, z.size(-1)), dim=-1, dtype=torch.float32)
+    return F.nll_loss(lp, y.transpose(0, 1).reshape(-1))
+
+
+SPELLINGS.update({
+    # RecurrentGemma: F.tanh (its own callable in the graph, not torch.tanh), cap on the right
+    "softcap_functional_tanh": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (F.tanh(F.linear(x, W) / 2.0) * 2.0).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # the cap first, the division written as a multiplication, the method spelling of tanh
+    "softcap_cap_first": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (2.0 * (F.linear(x, W) * 0.5).tanh()).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # Dory: a learned scale per vocabulary entry after the upcast (b stands for it; its gradient is checked)
+    "vocab_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (F.linear(x, W).float() * b).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # a 0-dim tensor factor on the left, on a [D, V] weight, before a softcap
+    "scalar_tensor_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (torch.tanh((b[0] * (x @ Wdv)) / 3.0) * 3.0).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    "prophetnet_transpose": (_prophetnet, "log_softmax_nll"),
+    # a permutation of the leading dims, then the [B, T]-shaped targets permuted alike
+    "permute_leading": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1)), "lm_head_cross_entropy"),
+})
+
+
 if hasattr(F, "linear_cross_entropy"):  # torch 2.13+: its reference path inlines to linear + CE
     SPELLINGS["torch_linear_cross_entropy"] = (lambda x, W, Wdv, b, y, yv, n: F.linear_cross_entropy(
         x.view(-1, D), W, y.view(-1), linear_bias=b, ignore_index=-100), "lm_head_cross_entropy")
@@ -277,6 +305,19 @@ def test_other_dtypes(dtype):
                                   what=f"grad {k}")
 
 
+def test_vocab_scale_bf16_within_torch_error():
+    """The per-vocabulary scale goes into the weight in bf16 (one rounding per weight entry where eager
+    rounds each logit once): loss and every gradient, the scale's included, within torch's own error."""
+    fn, _ = SPELLINGS["vocab_scale"]
+    rec = Recorder()
+    le, ge, lc, gc, l64, g64 = run_both(fn, make_inputs(torch.bfloat16), rec)
+    assert rec.after[0].count(OP) == 1
+    assert_within_torch_error(lc, le, l64, what="loss")
+    for k in ge:
+        assert gc[k].dtype == ge[k].dtype
+        assert_within_torch_error(gc[k], ge[k], g64[k], what=f"grad {k}")
+
+
 def test_partial_requires_grad():
     """Only the weight trains (frozen hidden states): no grad for x, weight grad exact."""
     fn, _ = SPELLINGS["linear_view_mean"]
@@ -369,10 +410,23 @@ DECLINES = {
         F.one_hot(yv, V) * F.log_softmax(F.linear(x, W), -1)).sum(-1, keepdim=True).mean(), "without keepdim"),
     "legacy_reduce": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
         F.linear(x, W).view(-1, V), y.view(-1), size_average=True), "legacy"),
+    # a factor per row (here a padding mask) is not a per-vocabulary scale: it cannot go into the weight
+    "row_mask_multiply": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (F.linear(x, W) * (y != -100).unsqueeze(-1)).view(-1, V), y.view(-1)), "unsupported op"),
+    # a per-vocabulary factor computed from the logits themselves
+    "scale_from_logits": (lambda x, W, Wdv, b, y, yv, n: _scale_from_logits(x, W, y), "computed from the logits"),
+    # after the softcap only a Python number can be folded (into the cap)
+    "tensor_scale_after_tanh": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (torch.tanh(F.linear(x, W) / 2.0) * b).view(-1, V), y.view(-1)), "after the softcap"),
     # one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets
     "one_hot_broadcast": (lambda x, W, Wdv, b, y, yv, n: -(
         F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean(), "broadcast"),
 }
+
+
+def _scale_from_logits(x, W, y):
+    z = F.linear(x, W)
+    return F.cross_entropy((z * z.detach().mean((0, 1))).view(-1, V), y.view(-1))
 
 
 def _no_grad_head(x, W, y):

@@ -181,6 +181,8 @@ def _fused_reason(site: LossSite, chain: _logits.Logits, plan: dict) -> str:
         parts.append(f"logit_scale={chain.logit_scale:g}")
     if chain.softcap is not None:
         parts.append(f"softcap={chain.softcap:g}")
+    if chain.weight_scale is not None:
+        parts.append("tensor scale folded into the weight")
     if chain.sliced:
         parts.append("slice pushed onto the hidden states")
     if not chain.weight_is_vd:
@@ -402,7 +404,10 @@ def _rewrite(gm, site: LossSite, chain: _logits.Logits, plan: dict, erased: set)
     plan["hidden_last"] = d
     hidden = _logits.replay(e, chain.hidden, [op for _, op in chain.shape_ops], d)
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
-    weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
+    if chain.weight_scale is not None:  # logits * s, s one factor per vocabulary entry: (W * s[:, None])
+        weight = _logits.scaled_weight(graph, chain)
+    else:
+        weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
     target1d = site.target if tval(site.target).dim() == 1 else e.method("reshape", site.target, -1)
     chosen: strategy.Plan = plan["strategy"]
     if chosen.strategy == "store":  # the reduced loss; its gradients are computed in the same op

@@ -10,11 +10,15 @@ the matmul and that tensor, and folds it into the op's arguments:
 * dtype casts (``.float()``, ``.to(dtype)``, ``.type_as``), ``view`` / ``reshape`` / ``flatten`` /
   ``contiguous`` that keep the vocabulary as the last dimension;
 * multiplication or division by a Python number (-> ``logit_scale``), ``tanh`` between two such
-  factors (Gemma 2's ``final_logit_softcapping``: div -> tanh -> mul, -> ``softcap``);
+  factors in either operand order (Gemma 2's ``final_logit_softcapping``: div -> tanh -> mul;
+  RecurrentGemma's ``F.tanh(logits / cap) * cap``; -> ``softcap``);
+* multiplication by a tensor holding one factor per vocabulary entry (or one in all), before any
+  softcap: folded into the weight, ``W * s[:, None]`` (Dory's learned per-token logit scale);
 * a bias add of a ``[V]`` tensor right after the matmul;
-* slices along the leading (batch/sequence) dimensions and the views around them, which the
-  rewrite replays on the hidden states instead (``logits[:, :-1]`` -> ``hidden[:, :-1]``;
-  ``mm(h2d, W.t()).view(B, T, V)[:, 1:]`` -> ``h2d.reshape(B, T, D)[:, 1:]``).
+* slices, transposes and permutations of the leading (batch/sequence) dimensions and the views
+  around them, which the rewrite replays on the hidden states instead (``logits[:, :-1]`` ->
+  ``hidden[:, :-1]``; ``mm(h2d, W.t()).view(B, T, V)[:, 1:]`` -> ``h2d.reshape(B, T, D)[:, 1:]``;
+  ProphetNet's ``logits.transpose(0, 1)`` of ``[B, ngram, T, V]`` -> ``hidden.transpose(0, 1)``).
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch.fx import Node
 
 from . import _dtensor
-from ._fx import arg, is_call, norm_dim, number, same, tval
+from ._fx import Emitter, arg, is_call, norm_dim, number, same, tval
 
 LINEAR = (torch._C._nn.linear,)
 MATMUL = (operator.matmul, torch.matmul, torch.mm)
@@ -39,7 +44,9 @@ VIEW_FUNCTIONS = (torch.reshape, torch.flatten)
 MUL = (operator.mul, torch.mul)
 DIV = (operator.truediv, torch.div, torch.true_divide)
 ADD = (operator.add, torch.add)
-TANH = (torch.tanh,)
+TANH = (torch.tanh, F.tanh)  # F.tanh is its own callable in Dynamo graphs
+TRANSPOSE = (torch.transpose, torch.swapaxes, torch.swapdims)
+TRANSPOSE_METHODS = ("transpose", "swapaxes", "swapdims")
 
 
 GRAPH_INPUT = (
@@ -70,6 +77,10 @@ class Logits:
     weight: Node  # [V, D] as stored, or [D, V] when weight_is_vd is False
     weight_is_vd: bool
     bias: Optional[Node] = None  # [V]
+    # a tensor of one factor per vocabulary entry (or a single one) multiplying the logits, and the
+    # multiply: the rewrite computes ``weight * weight_scale.reshape(-1, 1)`` where that multiply was
+    weight_scale: Optional[Node] = None
+    weight_scale_at: Optional[Node] = None
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     # views / slices of the leading dims between matmul and logits, in order, as (position in
@@ -131,6 +142,8 @@ def replay(emit, tensor: Node, ops: list, last: Any) -> Node:
     for op in ops:
         if op[0] == "slice":
             tensor = emit.getitem(tensor, op[1])
+        elif op[0] == "permute":
+            tensor = emit.method("permute", tensor, op[1])
         elif op[0] == "flatten":
             tensor = emit.method("flatten", tensor, op[1], op[2])
         else:
@@ -181,6 +194,9 @@ def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
         if shape is None:
             return None
         return "view", src, ("reshape", shape)
+    if is_call(node, TRANSPOSE + (torch.permute,), TRANSPOSE_METHODS + ("permute",)):
+        perm = _leading_permutation(node)
+        return None if perm is None else ("view", node.args[0], ("permute", perm))
     if node.op == "call_function" and node.target is operator.getitem:
         src, index = node.args
         ins = tval(src)
@@ -192,7 +208,7 @@ def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
         k = number(k)
         if src is not None and k is not None:
             return "scale", src, k
-        return None
+        return _tensor_scale(node, out)
     if is_call(node, DIV, ("div", "true_divide")) and not node.kwargs.get("rounding_mode") \
             and not node.kwargs.get("out"):
         src, k = arg(node, 0, "input"), number(arg(node, 1, "other"))
@@ -210,6 +226,66 @@ def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
                 return "bias", src, bias
         return None
     return _dtensor.step(node)  # redistribute / to_local of tensor-parallel (DTensor) logits
+
+
+def _leading_permutation(node: Node) -> Optional[tuple]:
+    """The permutation a transpose / permute applies, when it keeps the last (vocabulary) dim last."""
+    ins = tval(node.args[0]) if node.args else None
+    if ins is None or node.kwargs:
+        return None
+    n = ins.dim()
+    if is_call(node, TRANSPOSE, TRANSPOSE_METHODS):
+        if len(node.args) != 3:
+            return None
+        d0, d1 = norm_dim(node.args[1], n), norm_dim(node.args[2], n)
+        if d0 is None or d1 is None:
+            return None
+        perm = list(range(n))
+        perm[d0], perm[d1] = d1, d0
+    else:
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
+        perm = [norm_dim(d, n) for d in dims]
+        if len(perm) != n or None in perm or sorted(perm) != list(range(n)):
+            return None
+    return tuple(perm) if perm[-1] == n - 1 else None
+
+
+def _tensor_scale(node: Node, out: torch.Tensor) -> Optional[tuple[str, Node, Node]]:
+    """``z * s`` (either order) with ``s`` a tensor of one factor per vocabulary entry, or one factor:
+    ("tensor_scale", z, s), when the multiply changes neither the shape nor the dtype of ``z``."""
+    a, b = arg(node, 0, "input"), arg(node, 1, "other")
+    for src, scale in ((a, b), (b, a)):
+        ts, tk = tval(src), tval(scale)
+        if ts is None or tk is None or not tk.dtype.is_floating_point or tk.dim() > ts.dim():
+            continue
+        if ts.dtype != out.dtype or ts.dim() != out.dim() or not all(same(x, y) for x, y in zip(ts.shape, out.shape)):
+            continue
+        if all(same(x, 1) for x in tk.shape[:-1]) and (tk.dim() == 0 or same(tk.shape[-1], 1)
+                                                       or same(tk.shape[-1], out.shape[-1])):
+            return "tensor_scale", src, scale
+    return None
+
+
+def _depends_on(node: Node, target: Node, limit: int = 100_000) -> bool:
+    """True when ``target`` is among ``node``'s inputs, transitively (or the graph is too large to tell)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is target or len(seen) > limit:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
+def scaled_weight(graph, chain: Logits) -> Node:
+    """``[V, D]`` weight times ``chain.weight_scale`` per row, in the weight's dtype, computed where the
+    logits were multiplied (so it reads the scale when eager did)."""
+    e = Emitter(graph, chain.weight_scale_at, chain.weight_scale_at)
+    w = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
+    w = e.call(operator.mul, w, e.method("reshape", chain.weight_scale, (-1, 1)))
+    return w if tval(w).dtype == tval(chain.weight).dtype else e.method("to", w, tval(chain.weight).dtype)
 
 
 def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
@@ -310,15 +386,25 @@ def trace(logits: Node) -> Union[Logits, str, None]:
             if tanh_seen:
                 return "two tanh between the matmul and the loss"
             tanh_seen, post = True, 1.0
+        elif kind == "tensor_scale":
+            if tanh_seen:
+                return "the logits are multiplied by a tensor after the softcap's tanh (a Python number only)"
+            if root.weight_scale is not None:
+                return "the logits are multiplied by two tensors"
+            if root.bias is not None:
+                return "the logits of a linear with a bias are multiplied by a tensor"
+            if _depends_on(payload, root.matmul):
+                return "the logits are multiplied by a tensor computed from the logits"
+            root.weight_scale, root.weight_scale_at = payload, n
         elif kind == "bias":
             if root.bias is not None:
                 return "a second bias added to a linear that already has one"
-            if scale != 1.0 or tanh_seen:
+            if scale != 1.0 or tanh_seen or root.weight_scale is not None:
                 return "a bias added after the logits were scaled or softcapped"
             root.bias = payload
         elif kind in ("slice", "view"):
             root.shape_ops.append((len(root.nodes) - 1, payload))
-        if kind in ("scale", "tanh", "bias", "slice"):
+        if kind in ("scale", "tensor_scale", "tanh", "bias", "slice"):
             final_from = len(root.nodes) - 1
     root.final_from = final_from
     if tanh_seen:
@@ -336,10 +422,16 @@ def _unsupported(node: Any) -> Optional[str]:
     """A reason when an lm_head matmul lies upstream of ``node`` through an op we cannot fold."""
     cur = node
     for _ in range(16):
-        if not isinstance(cur, Node) or not cur.args or not isinstance(cur.args[0], Node):
+        first = cur.args[0] if isinstance(cur, Node) and cur.args else None
+        if isinstance(first, (list, tuple)) and first:  # torch.stack / torch.cat of several heads
+            first = first[0]
+        if not isinstance(first, Node):
             return None
-        cur = cur.args[0]
+        cur = first
         if _is_matmul(cur):
             desc = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
-            return f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name})"
+            what = (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
+                    "heads; compute each head's loss from its own matmul to fuse)"
+                    if node.target is operator.getitem else "")
+            return f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name}){what}"
     return None
