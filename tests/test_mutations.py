@@ -230,12 +230,11 @@ CASES = {
     # W.data = ...: Dynamo traces it as Tensor.set_ on the parameter (Inductor: as data_assign)
     "weight_data_assign": case(_model(_weight_data_assign), None, "declined", "Tensor.set_ writes the weight",
                                inner="inductor"),
-    # the targets written between (eager's loss reads them after the write, as the op would: declined
-    # anyway, conservatively)
-    "targets_inplace": case(_model(lambda h, W, y, u: y.add_(1)), "x", "declined", "Tensor.add_ writes the targets",
-                            ignore=False),
+    # the targets written between the matmul and the loss: eager's loss reads them after the write, and
+    # so does the op (placed at the loss): fused (ProphetNet builds its targets this way)
+    "targets_inplace": case(_model(lambda h, W, y, u: y.add_(1)), "x", "fused", ignore=False),
     # y[0] = -100
-    "targets_setitem": case(_model(_targets_setitem), "x", "declined", "operator.setitem writes the targets"),
+    "targets_setitem": case(_model(_targets_setitem), "x", "fused"),
     # the targets written between the z-loss logsumexp (where the op goes) and the loss
     "targets_after_lse": case(_z_loss_model(lambda h, W, y, u: y.add_(1)), None, "declined",
                               "Tensor.add_ writes the targets", ignore=False),

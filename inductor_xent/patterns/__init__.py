@@ -344,11 +344,17 @@ def _written_between(gm, order, site: LossSite, chain: _logits.Logits, lse_users
     replaced = {site.loss, *lse_users, *chain.nodes, *site.consumed, *site.aux}
     lo = min(order[n] for n in (chain.matmul, *site.consumed, *site.aux))
     hi = max(order[n] for n in (site.loss, *lse_users, *hoisted))
+    # eager reads the targets at the loss (or at the idiom's own one_hot / gather), the op where it is
+    # placed: a write to them before both is seen by both (ProphetNet builds its targets in place,
+    # new_zeros().fill_() then slices set, after its lm_head)
+    anchor = min(order[n] for n in (site.loss, *lse_users))
+    target_from = min([anchor] + [order[n] for n in (*site.aux, *hoisted)])
+    start = {r: (target_from if what == "the targets" and r is site.target else lo) for r, what in reads.items()}
     # the op saves hidden/weight/bias/targets for its backward (whatever requires grad), where eager's
     # linear saves only what the other operand's gradient needs: a later write would fail backward
     saved = [chain.hidden, chain.weight, chain.bias, site.target] if tval(site.loss).requires_grad else []
-    storages = [(_storage(r), what) for r, what in reads.items()]
-    saved_storages = [(_storage(r), reads[r]) for r in saved if r is not None]
+    storages = [(_storage(r), what, start[r]) for r, what in reads.items()]
+    saved_storages = [(_storage(r), reads[r], 0) for r in saved if r is not None]
     swapped = next((n for n in gm.graph.nodes if _mutation.swaps_storage(n)), None)
     for n in gm.graph.nodes:
         if order[n] < lo:
@@ -358,11 +364,13 @@ def _written_between(gm, order, site: LossSite, chain: _logits.Logits, lse_users
             op = _mutation.spelling(n)
             where = "between the lm_head matmul and the loss" if between else (
                 "after the loss, and the fused op's backward reads it (eager's may not)")
-            if between and w in reads:
+            if between and w in reads and order[n] >= start[w]:
                 return f"{op} writes {reads[w]} {where}"
             if between and n in replaced:
                 return f"{op} writes {w.name}, and the fused op would replace it"
-            what = _aliased(w, storages if between else saved_storages, swapped)
+            live = [(st, what) for st, what, since in (storages if between else saved_storages)
+                    if order[n] >= since]
+            what = _aliased(w, live, swapped)
             if what:
                 return f"{op} writes {what} {where}"
     return None
