@@ -13,6 +13,7 @@
 # not stop the next.
 set -uo pipefail
 STEPS=${1:-tests}
+BUDGET=${BUDGET:-560}  # seconds for all steps (a device call may last 600): each step's timeout is cut to fit
 FINAL=${OUT:-out}  # what comes back: all.tgz (every log, JSON and PNG) and a few files to look at at once
 OUT=$FINAL/raw; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -27,8 +28,12 @@ fi
 'transformers', transformers.__version__)"; date -u; } 2>&1 | tee "$OUT/versions.txt"
 BENCH="python3 benchmarks/bench_kernels.py --out $OUT"
 TESTS=$(sed -n "s/^\(python3 -m pytest .*\)$/\1/p" README.md | head -n 1)  # the README's own command
+left() { echo $(( BUDGET - SECONDS )); }
+cap() { local t=$1; local l; l=$(( $(left) - 15 )); [ "$l" -lt "$t" ] && t=$l; echo "$t"; }
+timeout() { local t; t=$(cap "$1"); shift; if [ "$t" -lt 20 ]; then echo "(skipped: no time left)"; return 124; fi
+            command timeout "$t" "$@"; }
 for step in ${STEPS//,/ }; do
-    echo "=== $step $(date -u +%T)"
+    echo "=== $step $(date -u +%T) ($(left) s left)"
     case $step in
         tests) echo "+ $TESTS"; timeout 300 $TESTS -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/pytest.log" \
                    | grep -vE "^\.|^\s*$" | tail -40 ;;
