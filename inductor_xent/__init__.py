@@ -1,14 +1,14 @@
 """inductor_xent: fused linear + cross-entropy for torch.compile, with no change to model code.
 
-Public surface: ``linear_cross_entropy`` (the functional API); ``torch.compile(fn,
-backend="inductor_xent")`` (the backend, registered through an entry point).
+Public surface: ``linear_cross_entropy`` and ``linear_log_probs`` (the functional API);
+``torch.compile(fn, backend="inductor_xent")`` (the backend, registered through an entry point).
 """
 
-from .api import linear_cross_entropy
+from .api import LogProbs, linear_cross_entropy, linear_log_probs
 from .explain import explain
 from .inductor_pass import install, uninstall
 
-__all__ = ["linear_cross_entropy", "explain", "install", "uninstall"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "LogProbs", "explain", "install", "uninstall"]
 
 
 def _backend(gm, example_inputs, **kwargs):

@@ -1,16 +1,17 @@
-"""``linear_cross_entropy``: the public function. Validates at the boundary, then calls the op."""
+"""``linear_cross_entropy`` and ``linear_log_probs``: the public functions. Validate at the
+boundary, then call the ops."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
 from . import config, ops
 from . import strategy as strategies
-from .options import FLOAT_DTYPES, REDUCTIONS
+from .options import FLOAT_DTYPES, REDUCTIONS, fold_temperature
 
 
 def linear_cross_entropy(
@@ -81,6 +82,75 @@ def linear_cross_entropy(
     if reduction == "sum":
         return rows.sum()
     return rows.sum() / (target1d != ignore_index).sum()  # the count stays on the device
+
+
+class LogProbs(NamedTuple):
+    """What ``linear_log_probs`` returns; every tensor has ``target``'s shape."""
+
+    log_probs: Tensor  # float32 (float64 for float64 inputs); 0 on ignored rows
+    entropy: Optional[Tensor]  # same dtype; 0 on ignored rows; None unless entropy=True
+    argmax: Optional[Tensor]  # int64, every row (ignored ones too); None unless argmax=True
+
+
+def linear_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    ignore_index: int = -100,
+    entropy: bool = False,
+    argmax: bool = False,
+) -> LogProbs:
+    """Per-token log-probabilities of ``target`` (and optionally the entropy and the argmax) of a
+    linear layer's output at a sampling temperature, without materialising the ``[N, V]`` logits:
+    the heads of RL fine-tuning (PPO, GRPO, DPO: ratios of new to old log-probabilities, an entropy
+    bonus) and of evaluation (token accuracy).
+
+    ``hidden`` is ``[..., D]``, ``weight`` ``[V, D]``, ``target`` ``[...]`` of integer class ids,
+    ``bias`` ``[V]`` or None. Equal (up to rounding, computed more precisely) to::
+
+        z = F.linear(hidden, weight, bias).float() * logit_scale       # float64 for float64 inputs
+        if softcap is not None:
+            z = softcap * torch.tanh(z / softcap)
+        z = z / temperature
+        logp = z.log_softmax(-1)
+        valid = target != ignore_index
+        log_probs = torch.where(valid, logp.gather(-1, target.where(valid, 0).unsqueeze(-1)).squeeze(-1), 0.0)
+        #         = -F.cross_entropy(z.view(-1, V), target.view(-1), ignore_index=ignore_index,
+        #                            reduction="none").view(target.shape)
+        entropy = torch.where(valid, -(logp.exp() * logp).sum(-1), 0.0)
+        argmax = z.argmax(-1)                          # token accuracy: (argmax == target) & valid
+
+    except that the logits are accumulated and kept in float32 instead of being rounded to the
+    input dtype first. The temperature divides the logits after the softcap, as RL code divides a
+    model's (already capped) logits. Ignored rows give 0 log-probability and 0 entropy and pass no
+    gradient; ``argmax`` does not depend on the target and is given for every row (the first
+    maximal column on ties, as ``torch.argmax``). ``log_probs`` and ``entropy`` are
+    differentiable with any incoming gradient (per-token advantages, masks); ``argmax`` is not.
+    Returns ``LogProbs(log_probs, entropy, argmax)`` with ``None`` for what was not asked for.
+
+    The backward recomputes the logits (8·N·D·V FLOPs in all, O(N) saved memory, deterministic).
+    Targets outside ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` on CPU; on CUDA
+    they are not checked (a host synchronisation): such a row's log-probability is ``−lse`` (its
+    target logit read as 0), its entropy and argmax are right, and its gradient is that of ``−lse``.
+    """
+    _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    for name, flag in (("entropy", entropy), ("argmax", argmax)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    scale, cap = fold_temperature(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
+    log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+                                                    target.reshape(-1), int(ignore_index), scale, cap, entropy, argmax)
+    shape = target.shape
+    return LogProbs(log_probs.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
 
 
 def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss):

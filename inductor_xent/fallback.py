@@ -20,6 +20,17 @@ then times ``sech²(x)`` (``x`` the uncapped logit over ``softcap``) for softcap
 ``logit_scale`` for the scale. Ignored rows have ``g = 0`` (their loss is the constant 0) but still
 pass ``h`` through.
 
+Log-probabilities (``log_probs_forward`` and ``backward`` with an entropy): ``log_prob = z_t − lse
+= −loss`` (no smoothing, no z-loss; a temperature is folded into the scale and cap,
+``options.fold_temperature``), so its gradient is the loss's with ``g`` negated. The entropy
+``H = lse − Σ p·z`` is computed relative to the row max, ``H = log s − Σ e^{z−m}(z − m) / s``
+(``s = Σ e^{z−m}``: no cancellation when every logit is large), and its gradient with an incoming
+``e`` per row is::
+
+    dH/dz_j = −p_j·(log p_j + H)        (Σ_j dH/dz_j = H − H = 0)
+
+added to dz before the softcap and scale factors, with ``log p = (z − lse) − lse_lo``.
+
 Precision: the loss is computed relative to the row maximum ``m``,
 ``log Σexp(z − m) + (1 − ε)(m − z_t) + ε(m − mean z)``, never as ``lse − z_t``: when every logit
 is large (2^24) the rounding of ``lse`` would swallow the ``log Σ`` term. The backward rebuilds the
@@ -84,11 +95,19 @@ def _row_stats(z: Tensor, t: Tensor, valid: Tensor, opts: LossOptions) -> tuple[
 
 
 def _dlogits_(z: Tensor, x: Optional[Tensor], lse: Tensor, lse_lo: Tensor, t: Tensor, valid: Tensor,
-              g: Tensor, c: Tensor, opts: LossOptions) -> Tensor:
+              g: Tensor, c: Tensor, opts: LossOptions, ent_g: Optional[Tensor] = None,
+              ent: Optional[Tensor] = None) -> Tensor:
     """dz of one chunk, computed in place of the logits ``z`` (and of ``x``); ``g`` is the loss's
-    incoming gradient (0 on ignored rows), ``c`` the softmax's coefficient from the lse terms."""
+    incoming gradient (0 on ignored rows), ``c`` the softmax's coefficient from the lse terms;
+    ``ent_g`` the entropy's incoming gradient (0 on ignored rows) and ``ent`` the entropy, or None."""
     eps, vocab = opts.label_smoothing, z.shape[1]
-    p = z.sub_(lse.unsqueeze(1)).sub_(lse_lo.unsqueeze(1)).exp_()  # softmax, in place of the logits
+    log_p = z.sub_(lse.unsqueeze(1)).sub_(lse_lo.unsqueeze(1))  # in place of the logits
+    ent_term = None
+    if ent_g is not None:  # e·dH/dz = −e·p·(log p + H), kept in log_p's buffer
+        p = log_p.exp()
+        ent_term = log_p.add_(ent.unsqueeze(1)).mul_(p).mul_(ent_g.unsqueeze(1))
+    else:
+        p = log_p.exp_()  # softmax, in place of the logits
     # dz = (g + c)·(p − coef) + c·coef, coef = (1 − ε)·onehot + ε/V (0 on ignored rows): the smoothed
     # target's coefficient is one constant ((1 − ε) + ε/V, rounded once: 1 at V = 1) subtracted once,
     # and c·p is kept apart from g·(p − onehot) (folded into g·(1 + 2·z_loss·lse) the small z-loss
@@ -103,6 +122,8 @@ def _dlogits_(z: Tensor, x: Optional[Tensor], lse: Tensor, lse_lo: Tensor, t: Te
     if eps != 0.0:
         d.add_(c.unsqueeze(1) * rest)  # every column; the target's remaining (1 − ε) next
     d.scatter_add_(1, idx, c.unsqueeze(1) * ok * (1 - eps))
+    if ent_term is not None:
+        d.sub_(ent_term)
     if x is not None:
         d.mul_(_sech2_(x))
     if opts.logit_scale != 1.0:
@@ -130,6 +151,45 @@ def forward(
     return loss, lse, lse_lo
 
 
+def log_probs_forward(
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,)
+    opts: LossOptions,  # no label smoothing or z-loss; the temperature folded in
+    need_entropy: bool,
+    need_argmax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(log_probs, entropy, argmax, lse, lse_lo), (N,) each; log_probs and entropy 0 on ignored
+    rows, argmax (int64) of every row; entropy and argmax empty (0,) where not asked for."""
+    n, vocab = hidden.shape[0], weight.shape[0]
+    cd, w, b = _upcast(hidden, weight, bias)
+    dev = hidden.device
+    log_probs, lse, lse_lo = (torch.empty(n, dtype=cd, device=dev) for _ in range(3))
+    entropy = torch.empty(n if need_entropy else 0, dtype=cd, device=dev)
+    argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
+    step = chunk_rows(n, vocab, cd)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts)
+        t = target[rows]
+        valid = t != opts.ignore_index
+        if need_argmax:
+            argmax[rows] = z.argmax(dim=-1)  # the first maximal column, as torch.argmax
+        m = z.amax(dim=-1)
+        z_t = z.gather(1, torch.where(valid, t, 0).unsqueeze(1)).squeeze(1)
+        d = z.sub_(m.unsqueeze(1))  # z − m, in place of the logits
+        e = d.exp()
+        s = e.sum(dim=-1)
+        log_s = s.log()
+        row_lse = m + log_s
+        lse[rows], lse_lo[rows] = row_lse, (m - row_lse) + log_s
+        log_probs[rows] = torch.where(valid, (z_t - m) - log_s, 0.0)  # relative to m, as the loss
+        if need_entropy:
+            entropy[rows] = torch.where(valid, log_s - e.mul_(d).sum(dim=-1) / s, 0.0)
+    return log_probs, entropy, argmax, lse, lse_lo
+
+
 def backward(
     grad_loss: Tensor,  # (N,)
     grad_lse: Tensor,  # (N,)
@@ -141,6 +201,8 @@ def backward(
     lse_lo: Tensor,  # (N,)
     opts: LossOptions,
     needs: tuple[bool, bool, bool],
+    grad_entropy: Optional[Tensor] = None,  # (N,): with entropy, the log-prob op's entropy term
+    entropy: Optional[Tensor] = None,  # (N,)
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients for (hidden, weight, bias); an empty tensor stands for each one not in ``needs``."""
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -152,13 +214,15 @@ def backward(
     valid = target != opts.ignore_index
     g = torch.where(valid, grad_loss.to(cd), 0.0)
     c = 2 * opts.z_loss * lse.to(cd) * g + grad_lse.to(cd)
+    ent_g = None if grad_entropy is None else torch.where(valid, grad_entropy.to(cd), 0.0)
+    ent = None if entropy is None else entropy.to(cd)
     step = chunk_rows(n, vocab, cd)
     for start in range(0, n, step):
         rows = slice(start, start + step)
         h = hidden[rows].to(cd)
         z, x = _chunk_logits(h, w, b, opts)
         d = _dlogits_(z, x, lse[rows].to(cd), lse_lo[rows].to(cd), target[rows], valid[rows], g[rows], c[rows],
-                      opts)
+                      opts, None if ent_g is None else ent_g[rows], None if ent is None else ent[rows])
         if need_h:
             grad_h[rows] = torch.mm(d, w)
         if need_w:

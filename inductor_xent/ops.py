@@ -1,5 +1,5 @@
 """The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
-(other modules use ``FORWARD``, ``BACKWARD`` and ``STORE``).
+(other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``LOGPROB_FORWARD`` and ``LOGPROB_BACKWARD``).
 
 Strategy ``recompute`` (strategy.py):
 
@@ -24,6 +24,19 @@ Strategy ``store``:
   sizes the row chunks at run time from ``budget`` (strategy.chunk_rows), so a dynamic N is
   chunked for its real size and eager and compiled calls chunk alike. Its autograd formula scales
   the gradients by the incoming scalar gradient: no backward pass over the logits at all.
+
+Log-probabilities (``linear_log_probs``; RL and evaluation heads), recompute only:
+
+* ``inductor_xent::linear_logprob_fwd(hidden, weight, bias, target, ignore_index, logit_scale,
+  softcap, need_entropy, need_argmax) -> (log_probs, entropy, argmax, lse, lse_lo)``: per row
+  ``z_t − lse`` and the entropy ``−Σ p log p`` (both 0 on ignored rows; compute dtype), the argmax
+  (int64, every row, the first maximal column), lse and its residual. ``entropy`` and ``argmax``
+  are empty (0,) when not asked for. A temperature is folded into ``logit_scale`` and ``softcap``
+  by the caller (``options.fold_temperature``). Differentiable in log_probs, entropy and lse.
+* ``inductor_xent::linear_logprob_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias,
+  target, lse, lse_lo, entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight,
+  needs_bias) -> (grad_hidden, grad_weight, grad_bias)``: ``grad_entropy`` and ``entropy`` are both
+  None (no entropy term) or both (N,).
 
 All are plain ``custom_op``s: Inductor calls them as fallback kernels, which launch our Triton
 kernels on CUDA. No op synchronises with the host (the mean's denominator stays on the device).
@@ -250,6 +263,120 @@ def _store_backward(ctx, grad_loss, *_unused):
 
 linear_ce_store.register_autograd(_store_backward, setup_context=_store_setup_context)
 
+# ---------------------------------------------------------------------------------------------
+# log-probabilities: forward, backward, autograd
+# ---------------------------------------------------------------------------------------------
+def _lp_opts(ignore_index: int, logit_scale: float, softcap: Optional[float]) -> LossOptions:
+    return LossOptions(ignore_index, 0.0, logit_scale, softcap, 0.0)
+
+
+@torch.library.custom_op("inductor_xent::linear_logprob_fwd", mutates_args=())
+def linear_logprob_fwd(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    need_entropy: bool,
+    need_argmax: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _lp_opts(ignore_index, logit_scale, softcap)
+    if target.device.type == "cpu":
+        fallback.check_targets(target, weight.shape[0], ignore_index)
+    if use_triton(hidden):
+        return _kernels(hidden).log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax)
+    return fallback.log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax)
+
+
+@linear_logprob_fwd.register_fake
+def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax):
+    cd = compute_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    return (
+        hidden.new_empty((n,), dtype=cd),
+        hidden.new_empty((n if need_entropy else 0,), dtype=cd),
+        hidden.new_empty((n if need_argmax else 0,), dtype=torch.long),
+        hidden.new_empty((n,), dtype=cd),
+        hidden.new_empty((n,), dtype=cd),
+    )
+
+
+@torch.library.custom_op("inductor_xent::linear_logprob_bwd", mutates_args=())
+def linear_logprob_bwd(
+    grad_log_probs: Tensor,
+    grad_entropy: Optional[Tensor],
+    grad_lse: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    lse: Tensor,
+    lse_lo: Tensor,
+    entropy: Optional[Tensor],
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if (grad_entropy is None) != (entropy is None):
+        raise ValueError("linear_logprob_bwd: grad_entropy and entropy must both be tensors or both be None, got "
+                         f"grad_entropy={'None' if grad_entropy is None else 'a tensor'}, "
+                         f"entropy={'None' if entropy is None else 'a tensor'}")
+    opts = _lp_opts(ignore_index, logit_scale, softcap)
+    needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    # log_prob = −loss (no smoothing, no z-loss): the loss's backward with the gradient negated
+    args = (-grad_log_probs, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
+    if use_triton(hidden):
+        return _kernels(hidden).backward(*args, grad_entropy=grad_entropy, entropy=entropy)
+    return fallback.backward(*args, grad_entropy=grad_entropy, entropy=entropy)
+
+
+@linear_logprob_bwd.register_fake
+def _(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, ignore_index,
+      logit_scale, softcap, needs_hidden, needs_weight, needs_bias):
+    return _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+
+def _lp_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, _ = inputs
+    _, entropy, argmax, lse, lse_lo = output
+    ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy)
+    ctx.mark_non_differentiable(argmax, lse_lo)
+    ctx.set_materialize_grads(False)  # an unused entropy costs no entropy term in the backward
+    ctx.options = (ignore_index, logit_scale, softcap)
+    ctx.need_entropy = need_entropy
+
+
+def _lp_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, _grad_lse_lo):
+    hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and bias is not None
+    if grad_log_probs is None:
+        grad_log_probs = torch.zeros_like(lse)
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    if grad_entropy is None or not ctx.need_entropy:
+        grad_entropy, entropy = None, None
+    grad_h, grad_w, grad_b = linear_logprob_bwd(
+        grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, *ctx.options,
+        need_h, need_w, need_b,
+    )
+    return (
+        grad_h if need_h else None,
+        grad_w if need_w else None,
+        grad_b if need_b else None,
+        None, None, None, None, None, None,
+    )
+
+
+linear_logprob_fwd.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+
 FORWARD = torch.ops.inductor_xent.linear_ce_fwd.default
 BACKWARD = torch.ops.inductor_xent.linear_ce_bwd.default
 STORE = torch.ops.inductor_xent.linear_ce_store.default
+LOGPROB_FORWARD = torch.ops.inductor_xent.linear_logprob_fwd.default
+LOGPROB_BACKWARD = torch.ops.inductor_xent.linear_logprob_bwd.default

@@ -30,3 +30,16 @@ class LossOptions(NamedTuple):
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     z_loss: float = 0.0
+
+
+def fold_temperature(logit_scale: float, softcap: Optional[float], temperature: float) -> tuple[float, Optional[float]]:
+    """(logit_scale, softcap) whose logits are the given ones divided by ``temperature``.
+
+    The temperature divides the final logits, after the softcap (``model(...).logits / T`` in RL
+    code, where a Gemma-2 model has already capped them)::
+
+        softcap·tanh(x·scale/softcap) / T  ==  (softcap/T)·tanh(x·(scale/T)/(softcap/T))
+
+    so it scales both ``logit_scale`` and ``softcap`` and every kernel epilogue serves unchanged
+    (the derivative ``(scale/T)·sech²`` comes out of the same chain rule)."""
+    return logit_scale / temperature, None if softcap is None else softcap / temperature

@@ -1,4 +1,5 @@
-"""The test oracle: the loss of DESIGN.md written as plainly as possible.
+"""The test oracle: the loss of DESIGN.md, and the log-probabilities, entropy and argmax of
+``linear_log_probs``, written as plainly as possible.
 
 It materialises the whole ``[N, V]`` logits in float32 (float64 for float64 inputs) and is never
 optimised: every fast path (``fallback.py``, the Triton kernels) is tested against it.
@@ -63,3 +64,29 @@ def linear_cross_entropy(
     if reduction == "sum":
         return rows.sum()
     return rows.sum() / (target != ignore_index).sum()
+
+
+def linear_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    ignore_index: int = -100,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log_probs, entropy, argmax), each of ``target``'s shape, materialising everything.
+    Differentiable in the first two; ignored rows give 0 in both (argmax is every row's)."""
+    opts = LossOptions(ignore_index, 0.0, logit_scale, softcap, 0.0)
+    h, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    z = logits(h, weight, bias, opts) / temperature
+    logp = torch.log_softmax(z, dim=-1)
+    valid = t != ignore_index
+    picked = logp.gather(-1, torch.where(valid, t, 0).unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+    zero = torch.zeros_like(picked)
+    return (torch.where(valid, picked, zero).reshape(target.shape),
+            torch.where(valid, entropy, zero).reshape(target.shape),
+            z.argmax(dim=-1).reshape(target.shape))

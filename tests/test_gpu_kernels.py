@@ -210,3 +210,108 @@ def test_torch_compile_fullgraph(strategy):
     got = loss_and_grads(lambda hh, ww, _: compiled(hh, ww), h, w, None, t, torch.ones((), device="cuda"))
     for x, y in zip(got, eager):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear_log_probs: log-probabilities, entropy, argmax (RL and evaluation heads)
+# ---------------------------------------------------------------------------------------------
+def compare_log_probs(h, w, b, t, kw):
+    """log_probs and entropy with independent random upstream gradients (advantages, an entropy
+    coefficient per token), against float64 relative to eager's error; argmax a row maximum."""
+    from .rl import eager_log_probs
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    g_lp, g_ent = (torch.randn(h.shape[0], device="cuda", generator=gen) for _ in range(2))
+
+    def run(fn, hh, ww, bb):
+        leaves = [x.detach().clone().requires_grad_() for x in (hh, ww) + ((bb,) if bb is not None else ())]
+        lp, ent = fn(leaves[0], leaves[1], leaves[2] if bb is not None else None)
+        grads = torch.autograd.grad((lp * g_lp.to(lp.dtype) + ent * g_ent.to(ent.dtype)).sum(), leaves)
+        return [lp.detach(), ent.detach()] + list(grads)
+
+    def ours(hh, ww, bb):
+        out = inductor_xent.linear_log_probs(hh, ww, t, bias=bb, entropy=True, **kw)
+        return out.log_probs, out.entropy
+
+    poison()
+    got = run(ours, h, w, b)
+    exact = run(lambda hh, ww, bb: reference.linear_log_probs(hh, ww, t, bias=bb, **kw)[:2],
+                *(None if x is None else x.double() for x in (h, w, b)))
+    pt = run(lambda hh, ww, bb: eager_log_probs(hh, ww, t, bias=bb, **kw)[:2], h, w, b)
+    for name, x, r, p in zip(("log_probs", "entropy", "hidden", "weight", "bias"), got, exact, pt):
+        assert not x.isnan().any(), f"{name}: NaN (an element left unwritten?)"
+        e_ours, e_torch = rel_err(x, r), rel_err(p, r)
+        assert e_ours <= K * e_torch + EPS, f"{name}: err(ours)={e_ours:.3g} err(torch)={e_torch:.3g}"
+    arg = inductor_xent.linear_log_probs(h, w, t, bias=b, argmax=True, **kw).argmax
+    z = reference.logits(h.double(), w.double(), None if b is None else b.double(),
+                         LossOptions(-100, 0.0, kw.get("logit_scale", 1.0), kw.get("softcap"), 0.0))
+    top = z.amax(-1)
+    assert torch.all(z.gather(1, arg[:, None])[:, 0] >= top - 1e-5 * (1 + top.abs())), "argmax"
+    assert torch.all(got[0][t == -100] == 0) and torch.all(got[1][t == -100] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, d, v", [(512, 1024, 128256), (1000, 768, 50257)])
+def test_log_probs_matches_reference(dtype, n, d, v):
+    compare_log_probs(*make(n, d, v, dtype), dict(temperature=0.7))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_log_probs_every_option(dtype):
+    """bias, scale, a softcap that bites, a temperature above 1, a [D, V] weight passed as .t()."""
+    h, w, b, t = make(384, 640, 50257, dtype, bias=True, scale=12.0, seed=1)
+    compare_log_probs(h, w.t().contiguous().t(), b, t, dict(temperature=1.3, logit_scale=0.8, softcap=15.0))
+
+
+def test_log_probs_deterministic_and_cuda_graph():
+    """Bitwise the same twice, and captured once and replayed (no host syncs)."""
+    h, w, b, t = make(512, 512, 50257, torch.bfloat16, bias=True, seed=3)
+    h.requires_grad_()
+    w.requires_grad_()
+    b.requires_grad_()
+    adv = torch.rand(512, device="cuda") - 0.5
+
+    def step():
+        out = inductor_xent.linear_log_probs(h, w, t, bias=b, temperature=0.9, entropy=True, argmax=True)
+        loss = (out.log_probs * adv + 0.01 * out.entropy).sum()
+        return (out.log_probs.detach(), out.entropy.detach(), out.argmax) + torch.autograd.grad(loss, (h, w, b))
+
+    expected = step()
+    for x, y in zip(step(), expected):
+        assert torch.equal(x, y)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for x, y in zip(captured, expected):
+        assert torch.equal(x, y)
+
+
+def test_log_probs_peak_memory_llama3_8b():
+    """Extra peak of forward + backward of log-probs and entropy at (8192, 4096, 128256), bf16:
+    at most 200 MiB, as the loss's recompute strategy (the bf16 logits alone are 2004 MiB)."""
+    h, w, _, t = make(8192, 4096, 128256, torch.bfloat16)
+    h.requires_grad_()
+    w.requires_grad_()
+    adv = torch.rand(8192, device="cuda") - 0.5
+
+    def step():
+        out = inductor_xent.linear_log_probs(h, w, t, temperature=0.7, entropy=True, argmax=True)
+        return torch.autograd.grad((out.log_probs * adv + 0.01 * out.entropy).sum(), (h, w))
+
+    gh, gw = step()  # warm-up
+    del gh, gw
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    gh, gw = step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base - gh.nbytes - gw.nbytes
+    assert extra <= 200 * 2**20, f"extra peak {extra / 2**20:.0f} MiB"

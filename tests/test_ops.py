@@ -9,6 +9,8 @@ from inductor_xent import reference
 FWD = torch.ops.inductor_xent.linear_ce_fwd.default
 BWD = torch.ops.inductor_xent.linear_ce_bwd.default
 STORE = torch.ops.inductor_xent.linear_ce_store.default
+LP_FWD = torch.ops.inductor_xent.linear_logprob_fwd.default
+LP_BWD = torch.ops.inductor_xent.linear_logprob_bwd.default
 
 
 def _args(n=13, d=7, v=23, dtype=torch.float32, bias=True, seed=0):
@@ -52,6 +54,35 @@ def test_opcheck_store(dtype, reduction, needs):
     w.requires_grad_(needs[1])
     b.requires_grad_(needs[2])
     torch.library.opcheck(STORE, (h, w, b, y, -100, 0.1, 0.9, None, 1e-3, reduction, 8, "1x", *needs))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("need_entropy, need_argmax", [(False, False), (True, True), (True, False)])
+def test_opcheck_log_probs_forward(dtype, bias, softcap, need_entropy, need_argmax):
+    h, w, b, y = _args(dtype=dtype, bias=bias)
+    torch.library.opcheck(LP_FWD, (h, w, b, y, -100, 1.4, softcap, need_entropy, need_argmax))
+    _, ent, arg, _, _ = LP_FWD(h, w, b, y, -100, 1.4, softcap, need_entropy, need_argmax)
+    assert ent.shape == ((13,) if need_entropy else (0,)) and arg.shape == ((13,) if need_argmax else (0,))
+    assert arg.dtype == torch.long
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("needs", [(True, True, True), (True, False, False), (False, True, True)])
+def test_opcheck_log_probs_backward(with_entropy, needs):
+    h, w, b, y = _args()
+    with torch.no_grad():
+        _, ent, _, lse, lse_lo = LP_FWD(h, w, b, y, -100, 0.7, 3.0, True, False)
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent, g_lse = (torch.randn(13, generator=g) for _ in range(3))
+    args = (g_lp, g_ent if with_entropy else None, g_lse, h.detach(), w.detach(), b.detach(), y, lse, lse_lo,
+            ent if with_entropy else None, -100, 0.7, 3.0, *needs)
+    torch.library.opcheck(LP_BWD, args)
+    gh, gw, gb = LP_BWD(*args)
+    assert gh.shape == ((13, 7) if needs[0] else (0,))
+    assert gw.shape == ((23, 7) if needs[1] else (0,))
+    assert gb.shape == ((23,) if needs[2] else (0,))
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "store"])

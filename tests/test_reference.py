@@ -1,5 +1,6 @@
 """The oracle itself agrees with PyTorch's F.cross_entropy in float64 (and with a hand formula for
-the terms PyTorch lacks: z-loss, softcap)."""
+the terms PyTorch lacks: z-loss, softcap); its log-probabilities, entropy and argmax agree with
+F.cross_entropy, torch.distributions.Categorical and torch.argmax."""
 
 import pytest
 import torch
@@ -53,3 +54,22 @@ def test_all_ignored_mean_is_nan_sum_is_zero():
     y[:] = -100
     assert torch.isnan(reference.linear_cross_entropy(h, w, y))
     assert reference.linear_cross_entropy(h, w, y, reduction="sum").item() == 0.0
+
+
+@pytest.mark.parametrize("temperature, softcap", [(1.0, None), (0.6, None), (1.7, 2.0)])
+def test_log_probs_entropy_argmax(temperature, softcap):
+    """log_probs = −cross_entropy(reduction='none') of z/T, entropy = Categorical(logits=z/T)'s,
+    where z is capped before the temperature divides it; ignored rows give 0."""
+    h, w, b, y = _inputs()
+    lp, ent, arg = reference.linear_log_probs(h.view(29, 1, -1), w, y.view(29, 1), bias=b, temperature=temperature,
+                                              logit_scale=0.9, softcap=softcap)
+    z = F.linear(h, w, b) * 0.9
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    valid = y != -100
+    assert lp.shape == ent.shape == arg.shape == (29, 1)
+    torch.testing.assert_close(lp.view(-1), -F.cross_entropy(z, y, reduction="none"), rtol=1e-12, atol=1e-12)
+    want_ent = torch.where(valid, torch.distributions.Categorical(logits=z).entropy(), 0.0)
+    torch.testing.assert_close(ent.view(-1), want_ent, rtol=1e-12, atol=1e-12)
+    assert torch.equal(arg.view(-1), z.argmax(-1))

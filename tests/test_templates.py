@@ -29,12 +29,13 @@ import torch.nn.functional as F  # noqa: E402
 
 import inductor_xent  # noqa: E402
 from inductor_xent import reference  # noqa: E402
-from inductor_xent.options import LossOptions  # noqa: E402
+from inductor_xent.options import LossOptions, fold_temperature  # noqa: E402
 from inductor_xent.templates import backward as _backward  # noqa: E402
 from inductor_xent.templates import configs, launch  # noqa: E402
 from inductor_xent.templates import forward as _forward  # noqa: E402
 from inductor_xent.templates import store as _store  # noqa: E402
 
+from .rl import check_grpo, eager_log_probs, grpo_batch  # noqa: E402
 from .tolerance import rel_err  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -447,3 +448,171 @@ def test_public_function(monkeypatch, strategy, dtype, reduction):
     pt = run(None, h, w, b, torch_way=True)
     for name, x, r, p in zip(("loss", "hidden", "weight", "bias"), ours, ref, pt):
         assert rel_err(x, r) <= K * rel_err(p, r) + EPS[dtype], name
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probabilities, entropy, argmax (RL and evaluation heads)
+# ---------------------------------------------------------------------------------------------
+def _lp_opts(temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100):
+    scale, cap = fold_temperature(logit_scale, softcap, temperature)
+    return LossOptions(ignore_index, 0.0, scale, cap, 0.0)
+
+
+def lp_and_grads(h, w, b, t, kw, ups, *, torch_way):
+    """(log_probs, entropy, lse) and the gradients of Σ(a·log_probs + e·entropy + c·lse) w.r.t.
+    (hidden, weight, bias). torch_way: logits from F.linear in the input dtype, then .float()."""
+    leaves = [x.detach().clone().requires_grad_() for x in (h, w) + ((b,) if b is not None else ())]
+    bias = leaves[2] if b is not None else None
+    if torch_way:
+        lp, ent, _ = eager_log_probs(leaves[0], leaves[1], t, bias=bias, **kw)
+    else:
+        lp, ent, _ = reference.linear_log_probs(leaves[0], leaves[1], t, bias=bias, **kw)
+    z = F.linear(leaves[0], leaves[1], bias).to(lp.dtype) * kw.get("logit_scale", 1.0)
+    if kw.get("softcap") is not None:
+        z = kw["softcap"] * torch.tanh(z / kw["softcap"])
+    lse = torch.logsumexp(z / kw.get("temperature", 1.0), -1)
+    outs = (lp, ent, lse)
+    total = sum((u.to(x.dtype) * x).sum() for u, x in zip(ups, outs))
+    return [x.detach() for x in outs], list(torch.autograd.grad(total, leaves))
+
+
+def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True):
+    """log_probs_forward + backward (with the entropy term) through the launchers against the
+    float64 oracle, relative to torch; argmax a row maximum of the float64 logits."""
+    n = h.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    ups = [(torch.randn(n, generator=g) * s).to(DEVICE) for s in (1.0, 0.5, 0.3 if grad_lse else 0.0)]
+    exact, exact_grads = lp_and_grads(*[None if x is None else x.double() for x in (h, w, b)], t, kw, ups,
+                                      torch_way=False)
+    same, same_grads = lp_and_grads(h, w, b, t, kw, ups, torch_way=True)
+    o = _lp_opts(**kw)
+    lp, ent, arg, lse, lse_lo = launch.log_probs_forward(h, w, b, t, o, True, True)
+    assert lp.dtype == ent.dtype == lse.dtype == torch.float32 and arg.dtype == torch.long
+    eps = EPS[h.dtype] if eps is None else eps
+    for name, ours, pt, ref in zip(("log_probs", "entropy", "lse"), (lp, ent, lse), same, exact):
+        assert rel_err(ours, ref) <= K * rel_err(pt, ref) + eps, (name, rel_err(ours, ref), rel_err(pt, ref))
+    ignored = t == o.ignore_index
+    assert torch.all(lp[ignored] == 0) and torch.all(ent[ignored] == 0)
+    z = reference.logits(h.double(), w.double(), None if b is None else b.double(), o)
+    top = z.amax(-1)
+    assert torch.all(z.gather(1, arg[:, None])[:, 0] >= top - 1e-5 * (1 + top.abs())), "argmax"
+
+    ours = launch.backward(-ups[0], ups[2], h, w, b, t, lse, lse_lo, o, (True, True, b is not None),
+                           grad_entropy=ups[1], entropy=ent)
+    for name, x, pt, ref, src in zip(("hidden", "weight", "bias"), ours, same_grads, exact_grads, (h, w, b)):
+        assert x.dtype == src.dtype and x.shape == src.shape, name
+        assert rel_err(x, ref) <= K * rel_err(pt, ref) + eps, (name, rel_err(x, ref), rel_err(pt, ref))
+    return (lp, ent, arg, lse, lse_lo) + tuple(ours)
+
+
+LP_CASES = {
+    # the plain log-softmax gather at temperature 1; the all-ignored first row block gives 0
+    "plain": (dict(), dict()),
+    # a sampling temperature below 1 (sharper): logit_scale / T
+    "temperature": (dict(), dict(temperature=0.6)),
+    # bias, scale, a softcap that bites (logits std ~6 against a cap of 3), then the temperature
+    "bias_scale_softcap_temperature": (dict(bias=True, scale=6.0), dict(temperature=1.4, logit_scale=0.7, softcap=3.0)),
+    # an ignore_index that is also a valid class id
+    "ignore_valid_id": (dict(ignore_index=5), dict(ignore_index=5)),
+    # a [D, V] weight passed transposed and a strided hidden
+    "everything_strided": (dict(bias=True, scale=4.0, transposed_weight=True, strided_hidden=True),
+                           dict(temperature=0.8, logit_scale=1.3, softcap=5.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(LP_CASES))
+def test_log_probs_fp32(name):
+    make_kw, kw = LP_CASES[name]
+    check_log_probs(*make_inputs(**make_kw), kw)
+
+
+@pytest.mark.parametrize("name", ["plain", "everything_strided"])
+def test_log_probs_bf16(name):
+    make_kw, kw = LP_CASES[name]
+    check_log_probs(*make_inputs(dtype=torch.bfloat16, seed=3, **make_kw), kw)
+
+
+def test_log_probs_many_splits_and_chunks(monkeypatch):
+    """The entropy and argmax partials combined over 5 vocabulary splits, the backward in chunks
+    of one tile; without an lse gradient (the usual RL case)."""
+    monkeypatch.setattr(launch, "_num_sms", lambda device: 64)
+    monkeypatch.setattr(configs, "BWD_EXTRA_BYTES", 0)
+    monkeypatch.setattr(configs, "BWD_MIN_CHUNK_BYTES", 1)
+    v = 131 if not CUDA else 701
+    check_log_probs(*make_inputs(bias=True, seed=5, v=v), dict(temperature=0.7, softcap=4.0), grad_lse=False)
+    check_log_probs(*make_inputs(dtype=torch.bfloat16, bias=True, seed=6, v=v), dict(temperature=1.3), grad_lse=False)
+
+
+@pytest.mark.parametrize("many_splits", [False, True])
+def test_argmax_ties_take_the_first_column(monkeypatch, many_splits):
+    """Exact ties (equal weight rows) resolve to the smallest index as torch.argmax, within a tile
+    and across tiles and splits (the interpreter's 32-column tiles: 40 and 45 in tile 1, 70 and 71
+    in tile 2, 100 in tile 3, 130 in tile 4; on the GPU's 128 or 256 columns, 130 is the other tile)."""
+    if many_splits:
+        monkeypatch.setattr(launch, "_num_sms", lambda device: 64)
+        assert configs.vocab_split(3, 5, 64)[0] == 5  # one tile per split
+    d, v = 24, 131
+    w = torch.randn(v, d, generator=torch.Generator().manual_seed(14)) * 0.01
+    w[[130, 70, 45, 40], 0] = 5.0  # the logits of rows with hidden e0 tie at these columns
+    w[[100, 71, 70], 1] = 5.0  # and of rows with hidden e1 at these
+    h = torch.zeros(37, d)
+    h[:20, 0] = 1.0
+    h[20:, 1] = 1.0
+    t = torch.randint(0, v, (37,), generator=torch.Generator().manual_seed(15))
+    _, _, arg, _, _ = launch.log_probs_forward(h.to(DEVICE), w.to(DEVICE), None, t.to(DEVICE), _lp_opts(),
+                                               False, True)
+    assert arg.tolist() == [40] * 20 + [70] * 17
+    assert arg.tolist() == F.linear(h, w).argmax(-1).tolist()
+
+
+def test_log_probs_large_common_logit():
+    """Every logit 2^24: log-prob −log 8 and entropy log 8 exactly (relative to the max; lse − Σp·z
+    cancels to 0 or 2 in fp32), the entropy's gradient exactly 0 (p uniform: log p + H = 0)."""
+    h = torch.ones(3, 1, device=DEVICE)
+    w = torch.full((8, 1), 2.0**24, device=DEVICE)
+    t = torch.tensor([0, 3, 7], device=DEVICE)
+    o = _lp_opts()
+    lp, ent, arg, lse, lse_lo = launch.log_probs_forward(h, w, None, t, o, True, True)
+    torch.testing.assert_close(lp, torch.full_like(lp, -math.log(8)), rtol=1e-6, atol=0)
+    torch.testing.assert_close(ent, torch.full_like(ent, math.log(8)), rtol=1e-6, atol=0)
+    assert arg.tolist() == [0, 0, 0]
+    ones = torch.ones(3, device=DEVICE)
+    _, gw, _ = launch.backward(0 * ones, 0 * ones, h, w, None, t, lse, lse_lo, o, (False, True, False),
+                               grad_entropy=ones, entropy=ent)
+    torch.testing.assert_close(gw, torch.zeros_like(gw), rtol=0, atol=1e-6)
+
+
+def test_log_probs_deterministic_and_flags():
+    """Bitwise the same twice; entropy / argmax not asked for are (0,) and change nothing else."""
+    h, w, b, t = make_inputs(dtype=torch.bfloat16, bias=True, seed=8)
+    o = _lp_opts(temperature=0.9, softcap=6.0)
+    up = torch.rand(37, generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    runs = []
+    for _ in range(2):
+        lp, ent, arg, lse, lse_lo = launch.log_probs_forward(h, w, b, t, o, True, True)
+        runs.append((lp, ent, arg) + launch.backward(-up, 0 * up, h, w, b, t, lse, lse_lo, o, (True, True, True),
+                                                     grad_entropy=up, entropy=ent))
+    for x, y in zip(*runs):
+        assert torch.equal(x, y)
+    lp, ent, arg, lse, _ = launch.log_probs_forward(h, w, b, t, o, False, False)
+    assert ent.shape == arg.shape == (0,)
+    # another specialisation of the kernel: the compiler may contract differently (FMA)
+    torch.testing.assert_close(lp, runs[0][0], rtol=1e-6, atol=1e-6)
+    loss, lse_ce, _ = launch.forward(h, w, b, t, o)  # log_prob = −loss of the same options, same kernel
+    assert torch.equal(lp, -loss) and torch.equal(lse, lse_ce)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_log_probs_grpo_through_the_op(monkeypatch, dtype):
+    """A GRPO loss (clipped ratio, KL penalty, entropy bonus, mask) on linear_log_probs with
+    INDUCTOR_XENT_IMPL=triton: loss and gradients within a multiple of eager's error."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    bsz, seq = 3, 13
+    h, w, _, _ = make_inputs(n=bsz * seq, dtype=dtype, seed=16)
+    h = h.view(bsz, seq, -1)
+    t = torch.randint(0, w.shape[0], (bsz, seq), generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    batch = grpo_batch(bsz, seq, seed=18, device=DEVICE)
+    t[~batch["mask"]] = -100
+    kw = dict(temperature=0.7, softcap=8.0)
+    check_grpo(lambda hh, ww: inductor_xent.linear_log_probs(hh, ww, t, entropy=True, **kw)[:2], h, w, t, kw, batch,
+               k=K, floor=EPS[dtype])

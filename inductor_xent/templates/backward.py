@@ -11,6 +11,12 @@ The backward walks the vocabulary in chunks of Vc columns (``configs.dlogits_chu
 
    with g = grad_loss (0 on ignored rows) and h = grad_lse; plus, for grad_bias, one fp32 column
    sum of dz per row block (``[num_row_blocks, Vc]``, reduced by a deterministic ``sum(0)``).
+   The log-probabilities op (log_prob = −loss, ε = z_loss = 0) passes g = −grad_log_probs and,
+   with HAS_ENTROPY, the entropy H and its incoming gradient a (0 on ignored rows):
+
+       dz −= a·p·(log p + H)          (dH/dz_j = −p_j·(log p_j + H), H = −Σ p log p)
+
+   before the softcap and scale factors, with log p = (z − lse) − lse_lo, the exponent of p.
 2. grad_weight[chunk] = dzᵀ · hidden: one full-D GEMM written straight into grad_weight (cuBLAS,
    fp32 accumulate): the precision of a single GEMM, no accumulation across chunks.
 3. grad_hidden += dz · weight[chunk] into an fp32 ``[N, D]`` accumulator (cuBLAS ``addmm`` with
@@ -44,7 +50,7 @@ from .configs import KernelConfig
 def lce_dlogits_kernel(
     # pointers
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, lse_lo_ptr, grad_loss_ptr, grad_lse_ptr,
-    dz_ptr, dbias_ptr,
+    grad_ent_ptr, ent_ptr, dz_ptr, dbias_ptr,
     # sizes: this chunk is columns [v_start, v_start + chunk) of the V-column vocabulary
     N, V, D, v_start, chunk,
     # strides
@@ -52,7 +58,7 @@ def lce_dlogits_kernel(
     # loss options (hit_coef = (1 − ε) + ε/V and rest_coef = ε/V, computed in double on the host)
     ignore_index, hit_coef, rest_coef, logit_scale, softcap, z_loss,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr,
@@ -83,13 +89,18 @@ def lce_dlogits_kernel(
     lse_lo = tl.load(lse_lo_ptr + rows)
     g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
     c = 2.0 * z_loss * lse * g + tl.load(grad_lse_ptr + rows).to(tl.float32)
-    p = tl.exp2(((z - lse[:, None]) - lse_lo[:, None]) * LOG2E)
+    log_p = (z - lse[:, None]) - lse_lo[:, None]
+    p = tl.exp2(log_p * LOG2E)
     # coef = (1 − ε)·onehot + ε/V on valid rows, 0 on ignored ones; hit_coef = (1 − ε) + ε/V is one
     # constant rounded once (1 at V = 1: p − coef is then exactly 0, not p − 0.9 − 0.1)
     valid = tgt != ignore_index
     coef = tl.where((offs_v[None, :] == tgt[:, None]) & valid[:, None], hit_coef, rest_coef)
     coef = tl.where(valid[:, None], coef, 0.0)
     dz = (g + c)[:, None] * (p - coef) + c[:, None] * coef
+    if HAS_ENTROPY:  # the entropy's gradient −a·p·(log p + H); a is 0 on ignored rows
+        a = tl.where(valid, tl.load(grad_ent_ptr + rows).to(tl.float32), 0.0)
+        ent = tl.load(ent_ptr + rows)
+        dz -= (a[:, None] * p) * (log_p + ent[:, None])
     if HAS_SOFTCAP:
         dz *= sech2
     dz *= logit_scale

@@ -40,6 +40,11 @@ def max_combine(a, b):
 
 
 @triton.jit
+def min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def cdiv(a, b):
     return (a + b - 1) // b
 

@@ -8,12 +8,22 @@ tile into per-row running values, all in registers:
     zt   the target's logit (0 if the target is not in this range)
     sz   sum of z (only with label smoothing)
     st   sech² of the target's capped argument (only for the store strategy with a softcap)
+    a    sum exp(z - m)·(z - m)   (only for the entropy: log-probabilities op)
+    i    the first column where z == m  (only for the argmax; int32, its own [S, N] buffer)
 
 Those are written per (row, vocabulary split) to a ``[P, S, N]`` fp32 buffer and a tiny combine
 kernel reduces the S splits in a fixed order (deterministic; no atomics):
 
     lse  = M + log(Σ_s s_s·exp(m_s − M)),  M = max_s m_s;   lse_lo = (M − lse) + log(Σ…)
     loss = log(Σ…) + (1 − ε)(M − zt) + ε(M − sz/V) + z_loss·lse²       (0 where target == ignore)
+    H    = log S − A/S,  S = Σ_s s_s·exp(m_s − M),  A = Σ_s exp(m_s − M)·(a_s + (m_s − M)·s_s)
+    argmax = i of the first split whose m_s is M
+
+The entropy ``H = lse − Σ p·z`` is kept relative to the max, ``Σ p·(z − m) = A/S``: every term of A
+is ≤ 0 (no cancellation) and a large common logit (2^24) does not swallow it. A moves with the
+running max like s: ``a ← exp(m − m')·(a + (m − m')·s)``. The argmax keeps the first column at the
+max: within a tile the smallest index where z equals the tile max, across tiles and splits (in
+increasing column order) only a strictly larger max replaces it, as ``torch.argmax`` on ties.
 
 The loss is taken relative to M, not as lse − zt: with every logit at 2^24 the fp32 rounding of lse
 swallows the log term (loss 2.0 instead of log 8). ``lse_lo`` is lse's rounding residual; the
@@ -32,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, M_INIT, add_combine, apply_epilogue, cdiv, grouped_pid, max_combine, tile_logits
+from .common import LOG2E, M_INIT, add_combine, apply_epilogue, cdiv, grouped_pid, max_combine, min_combine, tile_logits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,7 +51,7 @@ from .common import LOG2E, M_INIT, add_combine, apply_epilogue, cdiv, grouped_pi
 @triton.jit
 def lce_fwd_kernel(
     # pointers
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, arg_ptr,
     # sizes
     N, V, D, tiles_per_split, num_splits,
     # strides
@@ -50,11 +60,13 @@ def lce_fwd_kernel(
     logit_scale, softcap,
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr, STORE_E: tl.constexpr,
+    NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     FLATTEN: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr,
 ):
-    """One (row block, vocabulary split): partials m, s, zt[, sz][, st] into part[P, num_splits, N];
+    """One (row block, vocabulary split): partials m, s, zt[, sz][, st][, a] into
+    part[P, num_splits, N], and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32);
     with STORE_E (one tile per split) also the tile of E into e[N, V]. With USE_TMA, hidden_ptr and
     weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks (row-major,
     16-byte aligned operands; the launcher decides)."""
@@ -71,6 +83,8 @@ def lce_fwd_kernel(
     zt_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     sz_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     st_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    a_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
+    arg_i = tl.full((BLOCK_M,), 0, dtype=tl.int32)
 
     # ---- walk this split's vocabulary tiles ---------------------------------------------------
     v_begin = pid_s * tiles_per_split * BLOCK_N
@@ -94,9 +108,17 @@ def lce_fwd_kernel(
         if STORE_E and HAS_SOFTCAP:
             st_i += tl.reduce(tl.where(hit, sech2, 0.0), 1, add_combine)
         z = tl.where(col_mask[None, :], z, float("-inf"))
-        m_new = tl.maximum(m_i, tl.reduce(z, 1, max_combine))
+        tile_max = tl.reduce(z, 1, max_combine)
+        m_new = tl.maximum(m_i, tile_max)
+        if NEED_ARGMAX:  # the tile's first column at its max; an earlier tile keeps a tie
+            tile_arg = tl.reduce(tl.where(z == tile_max[:, None], offs_v[None, :], V), 1, min_combine)
+            arg_i = tl.where(tile_max > m_i, tile_arg, arg_i)
         e = tl.exp2((z - m_new[:, None]) * LOG2E)
-        s_i = s_i * tl.exp2((m_i - m_new) * LOG2E) + tl.reduce(e, 1, add_combine)
+        rescale = tl.exp2((m_i - m_new) * LOG2E)
+        if NEED_ENTROPY:  # Σ e^{z−m}(z − m) relative to the running max (masked columns: e = 0)
+            ez = tl.where(col_mask[None, :], e * (z - m_new[:, None]), 0.0)
+            a_i = rescale * (a_i + (m_i - m_new) * s_i) + tl.reduce(ez, 1, add_combine)
+        s_i = s_i * rescale + tl.reduce(e, 1, add_combine)
         m_i = m_new
         if STORE_E:  # one tile per program: m_new is this tile's own row max
             if HAS_SOFTCAP:
@@ -119,21 +141,28 @@ def lce_fwd_kernel(
     if STORE_E and HAS_SOFTCAP:
         out += plane
         tl.store(out, st_i, mask=row_mask)
+    if NEED_ENTROPY:
+        out += plane
+        tl.store(out, a_i, mask=row_mask)
+    if NEED_ARGMAX:
+        tl.store(arg_ptr + pid_s.to(tl.int64) * N + offs_m, arg_i, mask=row_mask)
 
 
 @triton.jit
 def lce_combine_kernel(
     # pointers
-    part_ptr, target_ptr, loss_ptr, lse_ptr, lse_lo_ptr, st_ptr,
+    part_ptr, arg_part_ptr, target_ptr, loss_ptr, lse_ptr, lse_lo_ptr, st_ptr, entropy_ptr, argmax_ptr,
     # sizes
     N, V, num_splits,
     # loss options
     ignore_index, label_smoothing, z_loss,
     # meta-parameters
-    NEED_SUM_Z: tl.constexpr, NEED_ST: tl.constexpr, BLOCK: tl.constexpr,
+    NEED_SUM_Z: tl.constexpr, NEED_ST: tl.constexpr, NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Reduce the splits of BLOCK rows, in split order, into loss, lse and lse_lo (and, with
-    NEED_ST, the target's sech² into st)."""
+    NEED_ST, the target's sech² into st; with NEED_ENTROPY the entropy, 0 on ignored rows; with
+    NEED_ARGMAX the argmax, int64, of every row)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     plane = num_splits * N
@@ -142,6 +171,8 @@ def lce_combine_kernel(
     zt = tl.full((BLOCK,), 0.0, dtype=tl.float32)
     sz = tl.full((BLOCK,), 0.0, dtype=tl.float32)
     st = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    a = tl.full((BLOCK,), 0.0, dtype=tl.float32)
+    arg = tl.full((BLOCK,), 0, dtype=tl.int32)
     # compensated (Kahan) sums: the store strategy combines one split per vocabulary tile (1000 at
     # V = 256000), and a plain running sum then loses ~1e-6 of the loss
     s_c = tl.full((BLOCK,), 0.0, dtype=tl.float32)
@@ -151,11 +182,20 @@ def lce_combine_kernel(
     p_zt = p_s + plane
     p_sz = p_zt + plane
     p_st = p_zt + plane * (1 + NEED_SUM_Z)
+    p_a = p_zt + plane * (1 + NEED_SUM_Z + NEED_ST)
+    p_arg = arg_part_ptr + offs
     for _ in range(0, num_splits):
         m_s = tl.load(p_m, mask=mask, other=M_INIT)
         s_s = tl.load(p_s, mask=mask, other=1.0)  # masked lanes: lse = M_INIT, no log(0)
         m_new = tl.maximum(m, m_s)
         rescale = tl.exp2((m - m_new) * LOG2E)
+        if NEED_ENTROPY:  # both sides moved to the new max (s: the sum before this split)
+            r_s = tl.exp2((m_s - m_new) * LOG2E)
+            a = rescale * (a + (m - m_new) * s) + r_s * (tl.load(p_a, mask=mask, other=0.0) + (m_s - m_new) * s_s)
+            p_a += N
+        if NEED_ARGMAX:  # an earlier split keeps a tie
+            arg = tl.where(m_s > m, tl.load(p_arg, mask=mask, other=0), arg)
+            p_arg += N
         s = s * rescale
         s_c = s_c * rescale
         y = s_s * tl.exp2((m_s - m_new) * LOG2E) - s_c
@@ -189,3 +229,7 @@ def lce_combine_kernel(
     tl.store(lse_lo_ptr + offs, lse_lo, mask=mask)
     if NEED_ST:
         tl.store(st_ptr + offs, st, mask=mask)
+    if NEED_ENTROPY:
+        tl.store(entropy_ptr + offs, tl.where(tgt != ignore_index, log_s - a / s, 0.0), mask=mask)
+    if NEED_ARGMAX:
+        tl.store(argmax_ptr + offs, arg.to(tl.int64), mask=mask)

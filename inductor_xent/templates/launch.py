@@ -1,9 +1,10 @@
 """Launchers of the fused linear + cross-entropy kernels: check, allocate, launch.
 
-``forward`` and ``backward`` are what ``ops.py`` calls for CUDA tensors (and for CPU tensors under
-``TRITON_INTERPRET=1``). Neither synchronises with the host (CUDA-graph capturable), neither copies
-``weight`` (strides go to the kernels; ``W_dv.t()`` works as is), and both are deterministic: the
-vocabulary splits are combined in a fixed order and no kernel uses atomics.
+``forward``, ``backward``, ``store`` and ``log_probs_forward`` are what ``ops.py`` calls for CUDA
+tensors (and for CPU tensors under ``TRITON_INTERPRET=1``). None synchronises with the host
+(CUDA-graph capturable), none copies ``weight`` (strides go to the kernels; ``W_dv.t()`` works as
+is), and all are deterministic: the vocabulary splits are combined in a fixed order and no kernel
+uses atomics.
 """
 
 from __future__ import annotations
@@ -111,40 +112,75 @@ def forward(
     if n == 0:
         return loss, lse, lse_lo
     cfg = cfg or configs.forward_config(hidden.dtype)
-    num_m = triton.cdiv(n, cfg.block_m)
-    num_tiles = triton.cdiv(v, cfg.block_n)
-    if cfg.split_tiles:
-        tiles_per_split = min(cfg.split_tiles, num_tiles)
-        splits = triton.cdiv(num_tiles, tiles_per_split)
-    else:
-        splits, tiles_per_split = configs.vocab_split(
-            num_m, num_tiles, _num_sms(hidden.device) * cfg.ctas_per_sm, num_rows=n
-        )
-    _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, (loss, lse, lse_lo))
+    _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, v), (loss, lse, lse_lo))
     return loss, lse, lse_lo
 
 
-def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None):
+def log_probs_forward(
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,) int64
+    opts: LossOptions,  # no label smoothing or z-loss; the temperature folded in
+    need_entropy: bool,
+    need_argmax: bool,
+    *,
+    cfg: Optional[KernelConfig] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(log_probs, entropy, argmax, lse, lse_lo), (N,) each: the forward kernel with the entropy
+    and argmax partials; log_probs = −loss. entropy (fp32) and argmax (int64) are (0,) where not
+    asked for."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
+    entropy = torch.empty(n if need_entropy else 0, dtype=torch.float32, device=dev)
+    argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
+    if n > 0:
+        cfg = cfg or configs.forward_config(hidden.dtype)
+        _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, weight.shape[0]),
+                      (loss, lse, lse_lo), entropy=entropy if need_entropy else None,
+                      argmax=argmax if need_argmax else None)
+    return loss.neg_(), entropy, argmax, lse, lse_lo
+
+
+def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
+    """(splits, tiles per split) of the forward's vocabulary walk (configs.vocab_split's model,
+    or the config's fixed split_tiles)."""
+    n = hidden.shape[0]
+    num_tiles = triton.cdiv(v, cfg.block_n)
+    if cfg.split_tiles:
+        tiles_per_split = min(cfg.split_tiles, num_tiles)
+        return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
+    return configs.vocab_split(triton.cdiv(n, cfg.block_m), num_tiles, _num_sms(hidden.device) * cfg.ctas_per_sm,
+                               num_rows=n)
+
+
+def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
+                  entropy=None, argmax=None):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
     with ``e`` (store mode, one tile per split) also the exp-logit tiles, and ``st`` the target's
-    sech² under a softcap. Returns the partials (their plane 0 holds each split's row max)."""
+    sech² under a softcap; with ``entropy`` / ``argmax`` those of every row. Returns the partials
+    (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
+    dev = hidden.device
     target = target.contiguous()
     bias = None if bias is None else bias.contiguous()
     need_sum_z = opts.label_smoothing != 0.0
     need_st = e is not None and opts.softcap is not None
-    part = torch.empty((3 + need_sum_z + need_st, splits, n), dtype=torch.float32, device=hidden.device)
+    need_entropy, need_argmax = entropy is not None, argmax is not None
+    part = torch.empty((3 + need_sum_z + need_st + need_entropy, splits, n), dtype=torch.float32, device=dev)
+    arg_part = torch.empty((splits, n) if need_argmax else (0,), dtype=torch.int32, device=dev)
     logit_scale, softcap = _options(opts)
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
     lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
-        h_op, w_op, bias, target, part, e,
+        h_op, w_op, bias, target, part, e, arg_part,
         n, v, d, tiles_per_split, splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if e is None else e.stride(0),
         logit_scale, softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
-        STORE_E=e is not None,
+        STORE_E=e is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
         NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
@@ -152,10 +188,11 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     )
     loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
-        part, target, loss, lse, lse_lo, st,
+        part, arg_part, target, loss, lse, lse_lo, st, entropy, argmax,
         n, v, splits,
         int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss),
-        NEED_SUM_Z=need_sum_z, NEED_ST=need_st, BLOCK=COMBINE_BLOCK,
+        NEED_SUM_Z=need_sum_z, NEED_ST=need_st, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
+        BLOCK=COMBINE_BLOCK,
     )
     return part
 
@@ -185,10 +222,13 @@ def backward(
     opts: LossOptions,
     needs: tuple[bool, bool, bool],
     *,
+    grad_entropy: Optional[Tensor] = None,  # (N,): the log-prob op's entropy term, with entropy
+    entropy: Optional[Tensor] = None,  # (N,) float32
     cfg: Optional[KernelConfig] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) in the dtypes of hidden, weight, bias; a gradient not
-    in ``needs`` is an empty (0,) tensor and is not computed."""
+    in ``needs`` is an empty (0,) tensor and is not computed. With ``grad_entropy`` the entropy's
+    gradient ``−grad_entropy·p·(log p + entropy)`` joins dz (backward.py)."""
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     n, d = hidden.shape
@@ -205,6 +245,9 @@ def backward(
     cfg = cfg or configs.dlogits_config(hidden.dtype)
     # (N,) and (V,) vectors: a mean's grad_loss arrives expanded (stride 0); copies are tiny
     grad_loss, grad_lse, target, lse, lse_lo = (t.contiguous() for t in (grad_loss, grad_lse, target, lse, lse_lo))
+    has_entropy = grad_entropy is not None
+    if has_entropy:
+        grad_entropy, entropy = grad_entropy.contiguous(), entropy.contiguous()
     bias = None if bias is None else bias.contiguous()
     precision = _input_precision(hidden.dtype)
     fp32_acc = need_h and hidden.dtype != torch.float32
@@ -228,12 +271,13 @@ def backward(
         cols = min(chunk, v - v0)
         dz = dz_buf[:, :cols]
         lce_dlogits_kernel[(num_m * triton.cdiv(cols, cfg.block_n),)](
-            h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, dz, dbias,
+            h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias,
             n, v, d, v0, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             dz.stride(0), dbias.stride(0),
             int(opts.ignore_index), *_smoothing_coefs(opts, v), logit_scale, softcap, float(opts.z_loss),
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_DBIAS=need_b,
+            HAS_ENTROPY=has_entropy,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
             DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, WS=cfg.ws,
