@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU box, in as few device calls as possible. Steps (comma-separated):
 #   tests   the README's test command, the whole suite (python3 -m pytest -q), CUDA tests included
+#   gputests  only the files whose tests run kernels on the GPU (when a call has little time)
 #   store   the store strategy's weight-gradient accumulation options (bench kernels --store-options)
 #   quick   bench kernels, gauss, the main methods and Liger, all three shapes
 #   full    bench kernels, gauss and zipf, every method
@@ -37,6 +38,8 @@ for step in ${STEPS//,/ }; do
     case $step in
         tests) echo "+ $TESTS"; timeout 300 $TESTS -p no:cacheprovider --tb=short 2>&1 | tee "$OUT/pytest.log" \
                    | grep -vE "^\.|^\s*$" | tail -40 ;;
+        gputests) timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short tests/test_gpu_kernels.py \
+                   tests/test_templates.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -vE "^\.|^\s*$" | tail -30 ;;
         store) timeout 150 $BENCH --store-options --quick --shapes llama3-8b 2>&1 | tee "$OUT/store.log" | grep -v "^{" ;;
         quick) timeout 240 $BENCH --quick --data gauss \
                    --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
@@ -62,7 +65,7 @@ for step in ${STEPS//,/ }; do
 done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
-for f in pytest.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json; do
+for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"
