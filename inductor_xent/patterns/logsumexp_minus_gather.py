@@ -19,13 +19,13 @@ from ._site import Decline, LossSite, integer_target
 from .z_loss import lse_of
 
 PATTERN = "logsumexp_minus_gather"
-_SUB = (operator.sub, torch.sub)
+TARGETS = (operator.sub, torch.sub, "sub")
 
 
 def _gathered(node):
     """(gather node, logits, index, squeezed) for ``z.gather(-1, idx)`` maybe squeezed to rows."""
     squeezed = None
-    if is_call(node, (torch.squeeze,), ("squeeze",)) and len(node.args) == 2:
+    if is_call(node, (torch.squeeze, "squeeze")) and len(node.args) == 2:
         squeezed, node = node, node.args[0]
     elif node is not None and is_call(node, (operator.getitem,)):
         src, index = node.args
@@ -34,7 +34,7 @@ def _gathered(node):
                 i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index[:-1]) \
                 and (Ellipsis in index or len(index) == ts.dim()):
             squeezed, node = node, src
-    if not is_call(node, (torch.gather,), ("gather",)) or node.kwargs.get("sparse_grad"):
+    if not is_call(node, (torch.gather, "gather")) or node.kwargs.get("sparse_grad"):
         return None
     z, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
     tz, ti = tval(z), tval(index)
@@ -47,10 +47,10 @@ def _gathered(node):
 
 
 def match(node: Node):
-    if not is_call(node, _SUB, ("sub",)) or node.kwargs or len(node.args) != 2:
+    if node.kwargs or len(node.args) != 2:
         return None
     lse_node, g = node.args
-    while isinstance(lse_node, Node) and lse_node.op == "call_method" and lse_node.target in CAST_METHODS:
+    while is_call(lse_node, CAST_METHODS):
         lse_node = lse_node.args[0]  # lse.float() - z.float().gather(...)
     found_lse = lse_of(lse_node)
     found_g = _gathered(g) if isinstance(g, Node) else None

@@ -13,12 +13,10 @@ from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, tval
 
-PATTERN = "z_loss"
-
 
 def lse_of(node) -> tuple[Node, bool] | None:
     """(logits, keepdim) when ``node`` is ``logsumexp`` over the last dimension of ``logits``."""
-    if not is_call(node, (torch.logsumexp,), ("logsumexp",)):
+    if not is_call(node, (torch.logsumexp, "logsumexp")):
         return None
     z, dim, keep = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
     tz = tval(z)
