@@ -1,4 +1,4 @@
-"""The test oracle: the loss of DESIGN.md written as plainly as possible.
+"""The test oracle: the loss ``options.LossOptions`` defines, written as plainly as possible.
 
 It materialises the whole ``[N, V]`` logits in float32 (float64 for float64 inputs) and is never
 optimised: every fast path (``fallback.py``, the Triton kernels) is tested against it.
