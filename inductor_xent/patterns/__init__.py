@@ -1,14 +1,9 @@
 """The pass: find lm_head matmul -> cross-entropy sites in a Dynamo graph and call our op instead.
 
-``run(gm)`` asks each idiom (one module per spelling family, see README.md) about the nodes that
-call one of its ``TARGETS``: a loss over logits (``LossSite``), a site to decline (``Decline``), or
-neither. For a site, ``_logits.trace`` walks back to the matmul and folds what lies between into
-the op's arguments, ``_plan.plan`` checks what the idiom cannot see locally (``Plan`` or
-``Decline``), ``_rewrite.rewrite`` replaces it, and ``_report`` says what happened. It never
-changes semantics: when unsure, it declines.
-
+``run(gm)`` hands each idiom the nodes that call one of its ``TARGETS``, then traces, plans,
+rewrites or declines each site it finds (README.md draws the stages); when unsure, it declines.
 Every site bumps ``torch._dynamo.utils.counters["inductor_xent"]`` (``sites_fused`` /
-``sites_declined`` and ``fused.<pattern>`` / ``declined.<pattern>``), is logged on
+``sites_declined``, ``fused.<pattern>`` / ``declined.<pattern>``), is logged on
 ``logging.getLogger(__name__)`` and is returned as a ``Site`` (what ``inductor_xent.explain``
 shows). ``INDUCTOR_XENT_DUMP_GRAPHS=1`` logs each graph before and after the pass.
 """

@@ -28,8 +28,6 @@ from torch.fx import Node
 from .. import compat
 from ._fx import tval
 
-_SAME_VALUE = ("redistribute", "full_tensor")
-
 
 def _is_dtensor(value: Any) -> bool:
     # no DTensor can exist before its module is imported: single-rank graphs never import it
@@ -52,7 +50,7 @@ def step(node: Node) -> Optional[tuple[str, Node, Any]]:
     src = tval(node.args[0])
     if not _is_dtensor(src) or kwargs.get("grad_placements") is not None:
         return None
-    if name in _SAME_VALUE and not (name == "full_tensor" and args):
+    if name in ("redistribute", "full_tensor") and not (name == "full_tensor" and args):
         return "noop", node.args[0], None
     if name == "to_local" and not args and all(p.is_replicate() for p in src.placements):
         return "noop", node.args[0], None

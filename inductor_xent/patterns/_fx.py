@@ -116,15 +116,6 @@ def number(x: Any) -> Optional[float]:
     return float(x)
 
 
-def fake_mode_of(graph: Graph):
-    """The fake mode of the graph's example values (Dynamo's own; never TracingContext's)."""
-    for node in graph.nodes:
-        v = node.meta.get("example_value")
-        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
-            return v.fake_mode
-    return None
-
-
 class Emitter:
     """Creates nodes before ``anchor`` and fills in their example values by running the call on
     the inputs' example values in the graph's fake mode."""
@@ -133,7 +124,9 @@ class Emitter:
         self.graph = graph
         self.anchor = anchor
         self.meta_from = meta_from
-        self.fake_mode = fake_mode_of(graph)
+        # the fake mode of the graph's example values (Dynamo's own; never TracingContext's)
+        fakes = (tval(n) for n in graph.nodes)
+        self.fake_mode = next((t.fake_mode for t in fakes if t is not None and hasattr(t, "fake_mode")), None)
 
     def _example(self, op: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.fake_mode is None:

@@ -19,8 +19,7 @@ from ..options import FLOAT_DTYPES
 from . import _dtensor, _mutation
 from ._fx import hint, numel_hint, same, tval
 from ._logits import Logits
-from ._site import Decline, LossSite
-from .z_loss import lse_of
+from ._site import Decline, LossSite, lse_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"

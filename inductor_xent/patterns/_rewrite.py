@@ -27,7 +27,8 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
     d = chain.vd[1]
     if not isinstance(d, int):  # a symbolic D (dynamic=True on a weight input): read it in the graph
         d = e.method("size", chain.weight, 1 if chain.weight_is_vd else 0)
-    hidden = _logits.replay(e, chain.hidden, [op for _, op in chain.shape_ops], d)
+    all_ops = [op for _, op in chain.shape_ops]
+    hidden = _logits.replay(e, chain.hidden, all_ops, d)
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
     if chain.weight_scale is not None:  # logits * s, s one factor per vocabulary entry: (W * s[:, None])
         weight = _logits.scaled_weight(graph, chain)
@@ -61,7 +62,6 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
     # (shaped like the node each reads: the hidden states through the same views, less D)
-    all_ops = [op for _, op in chain.shape_ops]
     for u, keepdim in plan.lse_users.items():
         position = chain.nodes.index(arg(u, 0, "input"))
         upto = [op for i, op in chain.shape_ops if i <= position]

@@ -1,5 +1,5 @@
 """What an idiom hands to the driver: a loss site (or a reason to decline), plus the shared
-recognisers the idioms use (class dimension, log_softmax)."""
+recognisers the idioms and the plan use (class dimension, loss arguments, log_softmax, logsumexp)."""
 
 from __future__ import annotations
 
@@ -44,8 +44,7 @@ class LossSite:
 
 @dataclass
 class Decline:
-    """Why a candidate is left alone. An idiom names itself and the loss; the walk back from the
-    logits (``_logits.trace``) and the plan leave ``pattern`` None (the driver knows the idiom)."""
+    """Why a candidate is left alone (``pattern`` None from the walk back or the plan: the driver knows it)."""
 
     pattern: Optional[str]
     node: Node
@@ -115,3 +114,16 @@ def integer_target(node: Any) -> Optional[str]:
     if t.dtype != torch.int64:
         return f"target dtype {t.dtype} (int64 class ids only)"
     return None
+
+
+def lse_of(node: Any) -> Optional[tuple[Node, bool]]:
+    """(logits, keepdim) when ``node`` is ``logsumexp`` over the last dimension of ``logits``: the
+    plan maps a z-loss (PaLM / T5X / OLMo ``1e-4 * torch.logsumexp(logits, -1).pow(2).mean()`` next to
+    the cross-entropy; Chameleon) onto the op's lse output instead of keeping the logits alive."""
+    if not is_call(node, (torch.logsumexp, "logsumexp")):
+        return None
+    z, dim, keep = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
+    tz = tval(z)
+    if tz is None or norm_dim(dim, tz.dim()) != tz.dim() - 1 or not isinstance(keep, bool):
+        return None
+    return z, keep

@@ -15,8 +15,7 @@ from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
 from ._logits import CAST_METHODS
-from ._site import Decline, LossSite, integer_target
-from .z_loss import lse_of
+from ._site import Decline, LossSite, integer_target, lse_of
 
 PATTERN = "logsumexp_minus_gather"
 TARGETS = (operator.sub, torch.sub, "sub")
