@@ -137,7 +137,7 @@ def _view(node: Node, out: torch.Tensor) -> Optional[Step]:
 
 def _permute(node: Node, out: torch.Tensor) -> Optional[Step]:
     perm = None if node.kwargs else permutation(node)
-    return ("view", node.args[0], ("permute", perm)) if perm and perm[-1] == len(perm) - 1 else None
+    return ("view", arg(node, 0, "input"), ("permute", perm)) if perm and perm[-1] == len(perm) - 1 else None
 
 
 def _slice(node: Node, out: torch.Tensor) -> Optional[Step]:
@@ -177,13 +177,13 @@ def _div(node: Node, out: torch.Tensor) -> Optional[Step]:
 
 
 def _tanh(node: Node, out: torch.Tensor) -> Optional[Step]:
-    return ("tanh", node.args[0], None) if len(node.args) == 1 and not node.kwargs else None
+    return ("tanh", arg(node, 0, "input"), None) if len(node.args) == 1 and not node.kwargs else None
 
 
 def _bias(node: Node, out: torch.Tensor) -> Optional[Step]:
     if node.kwargs or len(node.args) < 2:
         return None
-    a, b = node.args[:2]
+    a, b = arg(node, 0, "input"), arg(node, 1, "other")
     for src, bias in ((a, b), (b, a)):
         ts, tb = tval(src), tval(bias)
         if ts is not None and tb is not None and tb.dim() == 1 and ts.dim() == out.dim() \

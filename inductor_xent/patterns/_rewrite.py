@@ -96,7 +96,7 @@ def _erase_dead(gm, plan: Plan, erased: set) -> int:
             t = tval(n)
             is_view = n.op == "call_method" and n.target in _VIEWS or n.target is operator.getitem
             if n.op == "call_method" and n.target in _logits.CAST_METHODS:
-                src = tval(n.args[0])
+                src = tval(arg(n, 0, "input"))
                 is_view = src is not None and t is not None and src.dtype == t.dtype
             if t is not None and not is_view and n_rows_v and numel_hint(t) == n_rows_v:
                 avoided += numel_hint(t) * t.element_size()

@@ -25,7 +25,7 @@ def _gathered(node):
     """(gather node, logits, index, squeezed) for ``z.gather(-1, idx)`` maybe squeezed to rows."""
     squeezed = None
     if is_call(node, (torch.squeeze, "squeeze")) and len(node.args) == 2:
-        squeezed, node = node, node.args[0]
+        squeezed, node = node, arg(node, 0, "input")
     elif node is not None and is_call(node, (operator.getitem,)):
         src, index = node.args
         ts = tval(src)
@@ -40,7 +40,7 @@ def _gathered(node):
     if tz is None or ti is None or norm_dim(dim, tz.dim()) != tz.dim() - 1 or ti.dim() != tz.dim():
         return None
     if squeezed is not None and squeezed.op == "call_method" and squeezed.target == "squeeze" \
-            and norm_dim(squeezed.args[1], tz.dim()) != tz.dim() - 1:
+            and norm_dim(arg(squeezed, 1, "dim"), tz.dim()) != tz.dim() - 1:
         return None
     return node, z, index, squeezed
 
@@ -50,7 +50,7 @@ def match(node: Node):
         return None
     lse_node, g = node.args
     while is_call(lse_node, CAST_METHODS):
-        lse_node = lse_node.args[0]  # lse.float() - z.float().gather(...)
+        lse_node = arg(lse_node, 0, "input")  # lse.float() - z.float().gather(...)
     found_lse = lse_of(lse_node)
     found_g = _gathered(g) if isinstance(g, Node) else None
     if found_lse is None or found_g is None:

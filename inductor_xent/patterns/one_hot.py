@@ -27,7 +27,7 @@ def _one_hot(node):
     chain = []
     while is_call(node, CAST_METHODS):
         chain.append(node)
-        node = node.args[0]
+        node = arg(node, 0, "input")
     if is_call(node, (F.one_hot,)):
         return arg(node, 0, "tensor"), arg(node, 1, "num_classes", -1), (*chain, node)
     return None
