@@ -1,4 +1,4 @@
-"""Benchmark shapes and data sets (DESIGN.md "Benchmark data")."""
+"""Benchmark shapes and data sets (``make_data``: gauss and zipf)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ DATA = ("gauss", "zipf")
 
 
 def make_data(shape: Shape, data: str, dtype=torch.bfloat16, device="cuda", seed=0):
-    """(hidden (N, D), weight (V, D), target (N,)) as DESIGN.md defines them.
+    """(hidden (N, D), weight (V, D), target (N,)) of the ``gauss`` or ``zipf`` data set.
 
     gauss: hidden ~ N(0, 1), weight ~ N(0, (3/sqrt(D))^2) (logits have std ~3), uniform targets.
     zipf:  as gauss, plus one constant hidden feature 4.0 whose weight column is

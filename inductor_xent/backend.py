@@ -20,13 +20,10 @@ our own keys, prefixed ``xent.``:
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 from . import compat, patterns, strategy
 from .inductor_pass import CACHE_SALT
-
-log = logging.getLogger(__name__)
 
 XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool, "strategy": str,
                 "store_budget": (str, int, float)}

@@ -2,8 +2,8 @@
 
 Tensor parallelism shards the lm_head weight over the vocabulary (``ColwiseParallel``: ``weight``
 ``Shard(0)`` on one mesh dim, the hidden states ``Replicate``). Importing this module registers
-DTensor rules (``torch.library.register_torch_dispatch``) for ``linear_ce_fwd``,
-``linear_ce_bwd`` and ``linear_ce_store``, so the ops accept such DTensors: eagerly (the public
+DTensor rules (``torch.library.register_torch_dispatch``) for ``ops.FORWARD``,
+``ops.BACKWARD`` and ``ops.STORE``, so the ops accept such DTensors: eagerly (the public
 ``linear_cross_entropy`` too), and inside a compiled graph where the pass put them (AOTAutograd
 traces the rules into plain ops and functional collectives; the graph stays one graph). Each rank
 runs the single-rank recompute ops on its shard ``[offset, offset + V/tp)``; the store rule is the
@@ -41,7 +41,6 @@ together with a softcap.
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple, Optional
 
 import torch
@@ -50,8 +49,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import fallback, ops
 from .options import compute_dtype
-
-log = logging.getLogger(__name__)
 
 _FWD, _BWD = ops.FORWARD, ops.BACKWARD
 
@@ -183,7 +180,7 @@ def _forward(lay: Layout, x, w, b, t, ignore_index, eps, logit_scale, softcap, z
 
 
 def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
-    """``linear_ce_fwd`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors."""
+    """``ops.FORWARD`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors."""
     lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
     x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
     if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
@@ -237,7 +234,7 @@ def _grads(lay: Layout, hidden, weight, bias, grads, needs):
 
 def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ignore_index, label_smoothing,
              logit_scale, softcap, z_loss, needs_hidden, needs_weight, needs_bias):
-    """``linear_ce_bwd`` on DTensors (see ``_grads`` for the placements)."""
+    """``ops.BACKWARD`` on DTensors (see ``_grads`` for the placements)."""
     lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
     x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
     needs = (needs_hidden, needs_weight, needs_bias and b is not None)
@@ -248,7 +245,7 @@ def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ign
 
 def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
           chunk_rows, budget, needs_hidden, needs_weight, needs_bias):
-    """``linear_ce_store`` on DTensors: the reduced loss (a Replicate DTensor) and its gradients,
+    """``ops.STORE`` on DTensors: the reduced loss (a Replicate DTensor) and its gradients,
     from the recompute forward and backward above (8·N·D·V/tp per rank, not the single-rank store's
     6·N·D·V: there is no vocabulary-parallel store kernel; the pass always picks recompute here)."""
     lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
@@ -279,9 +276,9 @@ def _rule(impl):
     return rule
 
 
-torch.library.register_torch_dispatch("inductor_xent::linear_ce_fwd", DTensor, _rule(forward))
-torch.library.register_torch_dispatch("inductor_xent::linear_ce_bwd", DTensor, _rule(backward))
-torch.library.register_torch_dispatch("inductor_xent::linear_ce_store", DTensor, _rule(store))
+torch.library.register_torch_dispatch(ops.FORWARD, DTensor, _rule(forward))
+torch.library.register_torch_dispatch(ops.BACKWARD, DTensor, _rule(backward))
+torch.library.register_torch_dispatch(ops.STORE, DTensor, _rule(store))
 
 
 def replicate_like(t: Tensor, like: DTensor) -> DTensor:

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 from . import patterns
 from .patterns import ESCAPE_HINT, Site
-from .patterns._logits import GRAPH_INPUT
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
 # benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, 7 elsewhere in forward)
@@ -128,7 +127,7 @@ def _with_break_hint(site: Site, report: Report, breaks: dict) -> str:
     """A declined site's reason, plus what to change when a graph break is the cause."""
     if site.fused or not breaks:
         return site.reason
-    if site.reason == GRAPH_INPUT:
+    if site.logits_input:
         if any("loss_type=" in str(k) for k in breaks):
             return f"{site.reason}; {LOSS_TYPE_HINT}"
         return f"{site.reason}; Dynamo broke the graph at: {'; '.join(report.graph_break_reasons)}"

@@ -56,14 +56,6 @@ class Plan:
         return f"store (chunks of {self.chunk_rows} rows{acc}, ~{_mib(self.extra_bytes)})"
 
 
-def size_hint(x) -> int:
-    """An int for a size that may be a SymInt, from its hint: planning must not add guards."""
-    if isinstance(x, int):
-        return x
-    hint = getattr(getattr(x, "node", None), "hint", None)
-    return int(hint) if hint is not None else 8192  # unbacked: plan for a typical batch
-
-
 def parse_budget(value: str | int | float) -> tuple[str, float]:
     """A budget as ("bytes", n) or ("logits", fraction): ``"2GiB"``, ``"512MiB"``, ``123456``, or
     ``"0.5x"`` (that fraction of the [N, V] logits in the input dtype, which torch.compile holds)."""

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import inductor_xent
+from inductor_xent import ops
 
-from .test_patterns import DECLINES, SPELLINGS, V, make_inputs
+from .helpers import DECLINES, SPELLINGS, V, make_inputs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -93,7 +94,7 @@ def test_dump_graphs_logs_before_and_after(monkeypatch, caplog):
     text = caplog.text
     assert "graph before the pass" in text and "graph after the pass" in text
     assert text.index("torch.nn.functional.cross_entropy") < text.index("graph after the pass")
-    assert "torch.ops.inductor_xent.linear_ce_fwd" in text.split("graph after the pass")[1]
+    assert f"torch.ops.{ops.FORWARD}" in text.split("graph after the pass")[1]
 
 
 class _BreakingModel(torch.nn.Module):

@@ -14,9 +14,9 @@ import inductor_xent
 from inductor_xent import config, fallback, reference
 from inductor_xent.options import LossOptions
 
+from .helpers import assert_within_torch_error
 from .rl import check_grpo, eager_log_probs, grpo_batch, grpo_loss
 from .test_fallback import _LargestTensor
-from .tolerance import assert_within_torch_error
 
 
 @st.composite

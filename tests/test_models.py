@@ -16,6 +16,7 @@ import os
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 
 transformers = pytest.importorskip("transformers")
@@ -23,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 import inductor_xent  # noqa: E402
 from inductor_xent.backend import inductor_xent as xent_backend  # noqa: E402
 
-from .tolerance import assert_within_torch_error  # noqa: E402
+from .helpers import assert_within_torch_error, counting  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -79,15 +80,6 @@ def loss_fn(model):
     return lambda ids, labels: model(input_ids=ids, labels=labels).loss
 
 
-class Counting:
-    def __init__(self, backend, **kw):
-        self.backend, self.kw, self.graphs = backend, kw, 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.backend(gm, example_inputs, **self.kw) if self.kw else self.backend(gm, example_inputs)
-
-
 def _loss_and_grads(model, fn, ids, labels):
     model.zero_grad(set_to_none=True)
     loss = fn(ids, labels)
@@ -95,7 +87,7 @@ def _loss_and_grads(model, fn, ids, labels):
     return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def check_model(name: str, backend, graphs_expected: int | None = None):
+def check_model(name: str, backend):
     model, ids, labels = build(name)
     ref = copy.deepcopy(model).double()
     l64, g64 = _loss_and_grads(ref, loss_fn(ref), ids, labels)
@@ -111,14 +103,14 @@ def check_model(name: str, backend, graphs_expected: int | None = None):
 
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_fused_exact_same_graph_count(name):
-    ours = Counting(xent_backend, options={"xent.inner": "aot_eager"})
+    ours = counting(xent_backend, **{"xent.inner": "aot_eager"})
     check_model(name, ours)
     # the graph count without our pass (Dynamo's split does not depend on the backend)
     torch._dynamo.reset()
-    plain = Counting(lambda gm, ex: gm.forward)
+    plain = CompileCounter()
     model, ids, labels = build(name)
     torch.compile(loss_fn(model), backend=plain)(ids, labels)
-    assert ours.graphs == plain.graphs
+    assert ours.frame_count == plain.frame_count
 
 
 @pytest.mark.slow
@@ -144,13 +136,13 @@ def test_zoo_dynamic_sequence_no_extra_recompiles():
     frames = []
     for enable in (True, False):
         torch._dynamo.reset()
-        backend = Counting(xent_backend, options={"xent.inner": "aot_eager", "xent.enable": enable})
+        backend = counting(xent_backend, **{"xent.inner": "aot_eager", "xent.enable": enable})
         compiled = torch.compile(loss_fn(model), backend=backend)
         for seq in (12, 10, 8):
             ids = torch.randint(0, ZOO["llama"][1], (BATCH, seq), device=DEVICE)
             torch.testing.assert_close(compiled(ids, ids), loss_fn(model)(ids, ids), rtol=1e-5 * LOOSE,
                                        atol=1e-5 * LOOSE)
-        frames.append(backend.graphs)
+        frames.append(backend.frame_count)
     assert frames[0] == frames[1]
 
 
@@ -174,12 +166,12 @@ def test_zoo_num_items_in_batch():
         return model(input_ids=ids, labels=labels, num_items_in_batch=n).loss
 
     le, ge = _loss_and_grads(model, fn, ids, labels)
-    backend = Counting(xent_backend, options={"xent.inner": "aot_eager"})
+    backend = counting(xent_backend, **{"xent.inner": "aot_eager"})
     lc, gc = _loss_and_grads(model, torch.compile(fn, backend=backend), ids, labels)
     torch.testing.assert_close(lc, le, rtol=1e-5 * LOOSE, atol=1e-6 * LOOSE)
     for k in ge:
         torch.testing.assert_close(gc[k], ge[k], rtol=1e-4 * LOOSE, atol=1e-6 * LOOSE)
-    assert counters["inductor_xent"]["sites_fused"] == 1 and backend.graphs == 1
+    assert counters["inductor_xent"]["sites_fused"] == 1 and backend.frame_count == 1
 
 
 def test_whole_model_allow_escaping_logits():

@@ -5,12 +5,11 @@ import torch
 
 import inductor_xent
 from inductor_xent import reference
-
-FWD = torch.ops.inductor_xent.linear_ce_fwd.default
-BWD = torch.ops.inductor_xent.linear_ce_bwd.default
-STORE = torch.ops.inductor_xent.linear_ce_store.default
-LP_FWD = torch.ops.inductor_xent.linear_logprob_fwd.default
-LP_BWD = torch.ops.inductor_xent.linear_logprob_bwd.default
+from inductor_xent.ops import BACKWARD as BWD
+from inductor_xent.ops import FORWARD as FWD
+from inductor_xent.ops import LOGPROB_BACKWARD as LP_BWD
+from inductor_xent.ops import LOGPROB_FORWARD as LP_FWD
+from inductor_xent.ops import STORE
 
 
 def _args(n=13, d=7, v=23, dtype=torch.float32, bias=True, seed=0):

@@ -35,8 +35,8 @@ from inductor_xent.templates import configs, launch  # noqa: E402
 from inductor_xent.templates import forward as _forward  # noqa: E402
 from inductor_xent.templates import store as _store  # noqa: E402
 
+from .helpers import assert_within_torch_error, rel_err  # noqa: E402
 from .rl import check_grpo, eager_log_probs, grpo_batch  # noqa: E402
-from .tolerance import rel_err  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA and type(_forward.lce_fwd_kernel).__name__ != "InterpretedFunction":
@@ -129,14 +129,14 @@ def check_case(h, w, b, t, o, *, grad_lse=True, seed=1, eps=None):
     assert torch.isfinite(lse).all() and torch.isfinite(loss).all()
     eps = EPS[h.dtype] if eps is None else eps
     for name, ours, pt, ref in (("loss", loss, pt_loss, ref_loss), ("lse", lse, pt_lse, ref_lse)):
-        assert rel_err(ours, ref) <= K * rel_err(pt, ref) + eps, name
+        assert_within_torch_error(ours, pt, ref, k=K, floor=eps, what=name)
     assert torch.all(loss[t == o.ignore_index] == 0)
 
     needs = (True, True, b is not None)
     ours = launch.backward(gl, gs, h, w, b, t, lse, lse_lo, o, needs)
     for name, x, pt, ref, src in zip(("hidden", "weight", "bias"), ours, pt_grads, ref_grads, (h, w, b)):
         assert x.dtype == src.dtype and x.shape == src.shape, name
-        assert rel_err(x, ref) <= K * rel_err(pt, ref) + eps, (name, rel_err(x, ref), rel_err(pt, ref))
+        assert_within_torch_error(x, pt, ref, k=K, floor=eps, what=name)
     return ours
 
 
@@ -157,13 +157,13 @@ def check_store(h, w, b, t, o, *, reduction="mean", chunk_rows=0, needs=None, ep
     loss, *grads = launch.store(h, w, b, t, o, reduction, chunk_rows, needs)
     assert loss.dtype == torch.float32 and loss.dim() == 0
     eps = EPS[h.dtype] if eps is None else eps
-    assert rel_err(loss, ref[0]) <= K * rel_err(pt[0], ref[0]) + eps, "loss"
+    assert_within_torch_error(loss, pt[0], ref[0], k=K, floor=eps, what="loss")
     for name, need, x, p, r, src in zip(("hidden", "weight", "bias"), needs, grads, pt[1:], ref[1:], (h, w, b)):
         if not need:
             assert x.shape == (0,), name
             continue
         assert x.dtype == src.dtype and x.shape == src.shape, name
-        assert rel_err(x, r) <= K * rel_err(p, r) + eps, (name, rel_err(x, r), rel_err(p, r))
+        assert_within_torch_error(x, p, r, k=K, floor=eps, what=name)
     return loss, grads
 
 
@@ -251,7 +251,7 @@ def test_z_loss_gradient_where_softmax_is_onehot(smoothing):
     _, lse, lse_lo = launch.forward(h, w, None, t, o)
     ours = launch.backward(gl, torch.zeros_like(gl), h, w, None, t, lse, lse_lo, o, (True, True, False))
     for name, x, s, e in zip(("hidden", "weight"), ours, same, exact):
-        assert rel_err(x, e) <= K * rel_err(s, e) + 1e-7, (name, rel_err(x, e), rel_err(s, e))
+        assert_within_torch_error(x, s, e, k=K, floor=1e-7, what=name)
     # store computes the same gradient in its forward (sum: upstream 1 per row)
     loss, gh, gw, _ = launch.store(h, w, None, t, o, "sum", 0, (True, True, False))
     exact = grads(h.double(), w.double(), lambda h, w: reference.loss_rows(h, w, None, t, o)[0] / gl.double())
@@ -447,7 +447,7 @@ def test_public_function(monkeypatch, strategy, dtype, reduction):
     ref = run(reference.linear_cross_entropy, h.double(), w.double(), b.double())
     pt = run(None, h, w, b, torch_way=True)
     for name, x, r, p in zip(("loss", "hidden", "weight", "bias"), ours, ref, pt):
-        assert rel_err(x, r) <= K * rel_err(p, r) + EPS[dtype], name
+        assert_within_torch_error(x, p, r, k=K, floor=EPS[dtype], what=name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,9 +26,7 @@ from typing import Any, Optional
 from torch.fx import Node
 
 from .. import compat
-from ._fx import tval
-
-_SAME_VALUE = ("redistribute", "full_tensor")
+from ._fx import arg, tval
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -46,16 +44,17 @@ def step(node: Node) -> Optional[tuple[str, Node, Any]]:
     """A DTensor op between the matmul and the loss that keeps the logits' global value, as a
     ``_logits`` step ("noop", input, None); None for anything else."""
     call = compat.dtensor_method(node) if node.op in ("call_method", "call_function") else None
-    if call is None or not node.args or not isinstance(node.args[0], Node):
+    first = arg(node, 0, "input")
+    if call is None or not isinstance(first, Node):
         return None
     name, args, kwargs = call
-    src = tval(node.args[0])
+    src = tval(first)
     if not _is_dtensor(src) or kwargs.get("grad_placements") is not None:
         return None
-    if name in _SAME_VALUE and not (name == "full_tensor" and args):
-        return "noop", node.args[0], None
+    if name in ("redistribute", "full_tensor") and not (name == "full_tensor" and args):
+        return "noop", first, None
     if name == "to_local" and not args and all(p.is_replicate() for p in src.placements):
-        return "noop", node.args[0], None
+        return "noop", first, None
     return None
 
 

@@ -5,12 +5,17 @@ graph's own fake mode.
 
 from __future__ import annotations
 
+import inspect
+import math
 import operator
 from typing import Any, Optional
 
 import torch
 from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+TRANSPOSE = (torch.transpose, torch.swapaxes, torch.swapdims, "transpose", "swapaxes", "swapdims")
+PERMUTE = (*TRANSPOSE, torch.permute, "permute")
 
 
 def val(node: Any) -> Any:
@@ -42,22 +47,38 @@ def hint(x: Any) -> Optional[int]:
         return None
 
 
-def is_call(node: Any, function_targets=(), method_names=()) -> bool:
-    """True when ``node`` calls one of ``function_targets`` or a method named in ``method_names``."""
+def numel_hint(t: torch.Tensor) -> Optional[int]:
+    """The number of elements of ``t`` from its sizes' hints; None when one has no hint."""
+    sizes = [hint(s) for s in t.shape]
+    return None if None in sizes else math.prod(sizes)
+
+
+def is_call(node: Any, targets: tuple) -> bool:
+    """True when ``node`` calls one of ``targets`` (functions, and method names as strings)."""
     if not isinstance(node, Node):
         return False
     if node.op == "call_function":
-        return any(node.target is t for t in function_targets)
-    if node.op == "call_method":
-        return node.target in method_names
-    return False
+        return any(node.target is t for t in targets)
+    return node.op == "call_method" and node.target in targets
 
 
 def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
-    """Positional argument ``index`` or keyword ``name`` of a call node."""
+    """Positional argument ``index`` or keyword ``name`` of a call node (a method's ``self`` is
+    argument 0): the one way the pass reads a call's arguments."""
     if len(node.args) > index:
         return node.args[index]
     return node.kwargs.get(name, default)
+
+
+def bind(node: Node, signature: inspect.Signature) -> Optional[dict]:
+    """Every argument of a call to a Python function with ``signature``, defaults filled in, by
+    name; None when the call does not fit it."""
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return bound.arguments
 
 
 def norm_dim(dim: Any, ndim: int) -> Optional[int]:
@@ -69,20 +90,30 @@ def norm_dim(dim: Any, ndim: int) -> Optional[int]:
     return dim % ndim
 
 
+def permutation(node: Node) -> Optional[tuple]:
+    """The order of its input's dims a transpose / permute gives (``x.transpose(1, 2)`` of a 3-D ``x``:
+    ``(0, 2, 1)``); None for another op or dims that are not constants in range."""
+    ins = tval(arg(node, 0, "input")) if is_call(node, PERMUTE) else None
+    if ins is None:
+        return None
+    n = ins.dim()
+    if is_call(node, TRANSPOSE):
+        d0, d1 = norm_dim(arg(node, 1, "dim0"), n), norm_dim(arg(node, 2, "dim1"), n)
+        if d0 is None or d1 is None:
+            return None
+        perm = list(range(n))
+        perm[d0], perm[d1] = d1, d0
+        return tuple(perm)
+    dims = node.args[1:] if len(node.args) > 2 else arg(node, 1, "dims")
+    perm = tuple(norm_dim(d, n) for d in (dims if isinstance(dims, (tuple, list)) else (dims,)))
+    return perm if None not in perm and sorted(perm) == list(range(n)) else None
+
+
 def number(x: Any) -> Optional[float]:
     """A Python int/float constant as float (bools and symbolic values excluded), else None."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):
         return None
     return float(x)
-
-
-def fake_mode_of(graph: Graph):
-    """The fake mode of the graph's example values (Dynamo's own; never TracingContext's)."""
-    for node in graph.nodes:
-        v = node.meta.get("example_value")
-        if isinstance(v, torch.Tensor) and hasattr(v, "fake_mode"):
-            return v.fake_mode
-    return None
 
 
 class Emitter:
@@ -93,29 +124,24 @@ class Emitter:
         self.graph = graph
         self.anchor = anchor
         self.meta_from = meta_from
-        self.fake_mode = fake_mode_of(graph)
-        self.created: list[Node] = []
+        # the fake mode of the graph's example values (Dynamo's own; never TracingContext's)
+        fakes = (tval(n) for n in graph.nodes)
+        self.fake_mode = next((t.fake_mode for t in fakes if t is not None and hasattr(t, "fake_mode")), None)
 
     def _example(self, op: str, target: Any, args: tuple, kwargs: dict) -> Any:
         if self.fake_mode is None:
             return None
-        fx_map = torch.fx.node.map_arg
-        a = fx_map(args, val)
-        k = fx_map(kwargs, val)
+        a, k = torch.fx.node.map_arg(args, val), torch.fx.node.map_arg(kwargs, val)
         with self.fake_mode:
-            if op == "call_method":
-                return getattr(a[0], target)(*a[1:], **k)
-            return target(*a, **k)
+            return getattr(a[0], target)(*a[1:], **k) if op == "call_method" else target(*a, **k)
 
-    def _make(self, op: str, target: Any, args: tuple, kwargs: Optional[dict] = None) -> Node:
-        kwargs = kwargs or {}
+    def _make(self, op: str, target: Any, args: tuple, kwargs: dict) -> Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.create_node(op, target, args, kwargs)
         for key in ("stack_trace", "source_fn_stack", "nn_module_stack"):
             if key in self.meta_from.meta:
                 node.meta[key] = self.meta_from.meta[key]
         node.meta["example_value"] = self._example(op, target, args, kwargs)
-        self.created.append(node)
         return node
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> Node:

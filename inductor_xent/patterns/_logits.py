@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -33,39 +34,33 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from . import _dtensor
-from ._fx import Emitter, arg, is_call, norm_dim, number, same, tval
+from ._fx import PERMUTE, Emitter, arg, is_call, norm_dim, number, permutation, same, tval, val
+from ._site import Decline
 
 LINEAR = (torch._C._nn.linear,)
-MATMUL = (operator.matmul, torch.matmul, torch.mm)
-MATMUL_METHODS = ("matmul", "mm", "__matmul__")
+MATMUL = (operator.matmul, torch.matmul, torch.mm, "matmul", "mm", "__matmul__")
 CAST_METHODS = ("float", "half", "bfloat16", "double", "to", "type", "type_as")
-VIEW_METHODS = ("view", "reshape", "flatten", "contiguous")
-VIEW_FUNCTIONS = (torch.reshape, torch.flatten)
-MUL = (operator.mul, torch.mul)
-DIV = (operator.truediv, torch.div, torch.true_divide)
-ADD = (operator.add, torch.add)
-TANH = (torch.tanh, F.tanh)  # F.tanh is its own callable in Dynamo graphs
-TRANSPOSE = (torch.transpose, torch.swapaxes, torch.swapdims)
-TRANSPOSE_METHODS = ("transpose", "swapaxes", "swapdims")
+VIEWS = (torch.reshape, torch.flatten, "view", "reshape", "flatten", "contiguous")
 
+# The walk from the loss back to the matmul follows at most this many ops. Real heads have a handful
+# (HF: linear, float, view; Gemma 2: linear, div, tanh, mul, float, view; ProphetNet adds a
+# transpose, contiguous and view); a longer chain of foldable ops is not an lm_head's logits.
+MAX_STEPS = 64
+# Past an op it cannot fold, the walk follows first arguments this far looking for a matmul, to
+# decline naming that op (an lm_head is there) rather than skip the loss as no site at all.
+UNSUPPORTED_DEPTH = 16
+# A tensor scale must not be computed from the logits; the search for them among its inputs gives
+# up (and declines) past this many nodes.
+DEPENDS_LIMIT = 100_000
 
 GRAPH_INPUT = (
     "the logits are an input of this graph: a graph break separates the lm_head matmul from the loss "
     "(torch._dynamo.explain shows where); remove the break to fuse"
 )
-
-
 CALL_MODULE = (
     "the lm_head is an nn.Linear call_module node (torch._dynamo.config.inline_inbuilt_nn_modules="
     "False, possible on torch 2.11): set it to True (the default) to fuse"
 )
-
-
-def _is_linear_module(node: Node) -> bool:
-    try:
-        return isinstance(node.graph.owning_module.get_submodule(node.target), torch.nn.Linear)
-    except (AttributeError, TypeError):
-        return False
 
 
 @dataclass
@@ -94,12 +89,129 @@ class Logits:
         return any(op[0] == "slice" for _, op in self.shape_ops)
 
     @property
-    def out(self) -> Node:
-        return self.nodes[-1]
+    def vd(self) -> tuple:
+        """(V, D) of the weight (ints, or SymInts under dynamic shapes)."""
+        shape = tval(self.weight).shape
+        return (shape[0], shape[1]) if self.weight_is_vd else (shape[1], shape[0])
+
+    @property
+    def needs(self) -> tuple[bool, bool, bool]:
+        """Which of (hidden, weight, bias) the graph will ask a gradient of."""
+        grad = tval(self.matmul).requires_grad
+        tb = tval(self.bias) if self.bias is not None else None
+        return (bool(grad and tval(self.hidden).requires_grad), bool(grad and tval(self.weight).requires_grad),
+                bool(grad and tb is not None and tb.requires_grad))
 
 
-def _is_full_slice(s: Any) -> bool:
-    return isinstance(s, slice) and s.start is None and s.stop is None and s.step is None
+# ---------------------------------------------------------------------------------------------
+# one op between matmul and loss: (kind, its logits input, payload), or None when it cannot fold
+# ---------------------------------------------------------------------------------------------
+Step = tuple[str, Node, Any]
+
+
+def _cast(node: Node, out: torch.Tensor) -> Optional[Step]:
+    src = arg(node, 0, "input")
+    ins = tval(src)
+    ok_kw = set(node.kwargs) <= {"dtype", "non_blocking", "copy", "device"}
+    if ins is not None and ok_kw and out.dtype.is_floating_point and out.device == ins.device \
+            and out.shape == ins.shape:
+        return "cast", src, None
+    return None
+
+
+def _view(node: Node, out: torch.Tensor) -> Optional[Step]:
+    src = arg(node, 0, "input")
+    ins = tval(src)
+    if ins is None or ins.dtype != out.dtype or out.dim() < 2 or not same(out.shape[-1], ins.shape[-1]):
+        return None
+    if node.target == "contiguous":
+        return "noop", src, None
+    if node.target in ("flatten", torch.flatten):
+        start, end = arg(node, 1, "start_dim", 0), arg(node, 2, "end_dim", -1)
+        if norm_dim(end, ins.dim()) in (None, ins.dim() - 1) or norm_dim(start, ins.dim()) is None:
+            return None  # flatten must stop before the vocabulary dimension
+        return "view", src, ("flatten", start, end)
+    shape = _shape_arg(node)
+    return None if shape is None else ("view", src, ("reshape", shape))
+
+
+def _permute(node: Node, out: torch.Tensor) -> Optional[Step]:
+    perm = None if node.kwargs else permutation(node)
+    return ("view", arg(node, 0, "input"), ("permute", perm)) if perm and perm[-1] == len(perm) - 1 else None
+
+
+def _slice(node: Node, out: torch.Tensor) -> Optional[Step]:
+    src, index = node.args
+    ins = tval(src)
+    return ("slice", src, ("slice", index)) if ins is not None and _leading_slice(index, ins.dim()) else None
+
+
+def _mul(node: Node, out: torch.Tensor) -> Optional[Step]:
+    """``z * k`` with ``k`` a Python number ("scale"), or ``z * s`` with ``s`` a tensor of one factor
+    per vocabulary entry (or one in all) that changes neither the shape nor the dtype of ``z``
+    ("tensor_scale"); either operand order."""
+    if node.kwargs.get("out"):
+        return None
+    a, b = arg(node, 0, "input"), arg(node, 1, "other")
+    for src, k in ((a, b), (b, a)):
+        ts, tk = tval(src), tval(k)
+        if not isinstance(src, Node) or ts is None:
+            continue
+        if not isinstance(k, Node):
+            return None if number(k) is None else ("scale", src, number(k))
+        if tk is None or not tk.dtype.is_floating_point or tk.dim() > ts.dim():
+            continue
+        if ts.dtype != out.dtype or ts.dim() != out.dim() or not all(same(x, y) for x, y in zip(ts.shape, out.shape)):
+            continue
+        if all(same(x, 1) for x in tk.shape[:-1]) and (tk.dim() == 0 or same(tk.shape[-1], 1)
+                                                       or same(tk.shape[-1], out.shape[-1])):
+            return "tensor_scale", src, k
+    return None
+
+
+def _div(node: Node, out: torch.Tensor) -> Optional[Step]:
+    if node.kwargs.get("rounding_mode") or node.kwargs.get("out"):
+        return None
+    src, k = arg(node, 0, "input"), number(arg(node, 1, "other"))
+    return ("scale", src, 1.0 / k) if isinstance(src, Node) and k not in (None, 0.0) else None
+
+
+def _tanh(node: Node, out: torch.Tensor) -> Optional[Step]:
+    return ("tanh", arg(node, 0, "input"), None) if len(node.args) == 1 and not node.kwargs else None
+
+
+def _bias(node: Node, out: torch.Tensor) -> Optional[Step]:
+    if node.kwargs or len(node.args) < 2:
+        return None
+    a, b = arg(node, 0, "input"), arg(node, 1, "other")
+    for src, bias in ((a, b), (b, a)):
+        ts, tb = tval(src), tval(bias)
+        if ts is not None and tb is not None and tb.dim() == 1 and ts.dim() == out.dim() \
+                and same(tb.shape[0], out.shape[-1]):
+            return "bias", src, bias
+    return None
+
+
+# target -> step; a string is a Tensor method (F.tanh is its own callable in Dynamo graphs)
+STEPS: dict[Any, Callable[[Node, torch.Tensor], Optional[Step]]] = {
+    **dict.fromkeys(CAST_METHODS, _cast),
+    **dict.fromkeys(VIEWS, _view),
+    **dict.fromkeys(PERMUTE, _permute),
+    operator.getitem: _slice,
+    **dict.fromkeys((operator.mul, torch.mul, "mul"), _mul),
+    **dict.fromkeys((operator.truediv, torch.div, torch.true_divide, "div", "true_divide"), _div),
+    **dict.fromkeys((torch.tanh, F.tanh, "tanh"), _tanh),
+    **dict.fromkeys((operator.add, torch.add, "add"), _bias),
+}
+
+
+def _step(node: Node) -> Optional[Step]:
+    out = tval(node)
+    if out is None or out.dim() < 1 or node.op not in ("call_function", "call_method"):
+        return None
+    step = STEPS.get(node.target)
+    # anything else may be a DTensor redistribute / to_local of tensor-parallel logits
+    return step(node, out) if step is not None else _dtensor.step(node)
 
 
 def _leading_slice(index: Any, ndim: int) -> bool:
@@ -111,8 +223,8 @@ def _leading_slice(index: Any, ndim: int) -> bool:
         return False
     if Ellipsis in items:
         after = items[items.index(Ellipsis) + 1:]
-        return not after or _is_full_slice(after[-1])
-    return len(items) < ndim or _is_full_slice(items[-1])
+        return not after or after[-1] == slice(None)
+    return len(items) < ndim or items[-1] == slice(None)
 
 
 def _shape_arg(node: Node) -> Optional[list]:
@@ -126,166 +238,23 @@ def _shape_arg(node: Node) -> Optional[list]:
         rest = list(rest[0])
     if not rest or any(r is None for r in rest):
         return None
-    last, vocab = rest[-1], tval(node).shape[-1]
-    if isinstance(last, Node):
-        last = last.meta.get("example_value")
+    last = val(rest[-1])
     if isinstance(last, bool) or last is None:
         return None
-    if (isinstance(last, int) and last == -1) or same(last, vocab):
-        return rest
-    return None
+    return rest if (isinstance(last, int) and last == -1) or same(last, tval(node).shape[-1]) else None
 
 
-def replay(emit, tensor: Node, ops: list, last: Any) -> Node:
-    """Apply the leading-dim views / slices ``ops`` of the logits to ``tensor``, whose last
-    dimension is ``last`` (D for the hidden states, 1 for an lse column) instead of V."""
-    for op in ops:
-        if op[0] == "slice":
-            tensor = emit.getitem(tensor, op[1])
-        elif op[0] == "permute":
-            tensor = emit.method("permute", tensor, op[1])
-        elif op[0] == "flatten":
-            tensor = emit.method("flatten", tensor, op[1], op[2])
-        else:
-            shape = list(op[1])
-            if not (isinstance(shape[-1], int) and shape[-1] == -1):
-                shape[-1] = last
-            tensor = emit.method("reshape", tensor, shape)
-    return tensor
-
-
-def _tensor_side(node: Node) -> tuple[Optional[Node], Any]:
-    """For a binary op ``a (op) b``: (the tensor operand, the other operand)."""
-    a, b = arg(node, 0, "input"), arg(node, 1, "other")
-    if isinstance(a, Node) and tval(a) is not None and not isinstance(b, Node):
-        return a, b
-    if isinstance(b, Node) and tval(b) is not None and not isinstance(a, Node):
-        return b, a
-    return None, None
-
-
-def _step(node: Node) -> Optional[tuple[str, Node, Any]]:
-    """One op between matmul and loss: (kind, its logits input, payload), or None."""
-    out = tval(node)
-    if out is None or out.dim() < 1:
-        return None
-    if node.op == "call_method" and node.target in CAST_METHODS:
-        src = node.args[0]
-        ins = tval(src)
-        ok_kw = set(node.kwargs) <= {"dtype", "non_blocking", "copy", "device"}
-        if ins is not None and ok_kw and out.dtype.is_floating_point and out.device == ins.device \
-                and out.shape == ins.shape:
-            return "cast", src, None
-        return None
-    if is_call(node, VIEW_FUNCTIONS, VIEW_METHODS):
-        src = node.args[0]
-        ins = tval(src)
-        if ins is None or ins.dtype != out.dtype or out.dim() < 2 or not same(out.shape[-1], ins.shape[-1]):
-            return None
-        if node.target == "contiguous":
-            return "noop", src, None
-        if node.target in ("flatten", torch.flatten):
-            start, end = arg(node, 1, "start_dim", 0), arg(node, 2, "end_dim", -1)
-            # flatten must stop before the vocabulary dimension
-            if norm_dim(end, ins.dim()) in (None, ins.dim() - 1) or norm_dim(start, ins.dim()) is None:
-                return None
-            return "view", src, ("flatten", start, end)
-        shape = _shape_arg(node)
-        if shape is None:
-            return None
-        return "view", src, ("reshape", shape)
-    if is_call(node, TRANSPOSE + (torch.permute,), TRANSPOSE_METHODS + ("permute",)):
-        perm = _leading_permutation(node)
-        return None if perm is None else ("view", node.args[0], ("permute", perm))
-    if node.op == "call_function" and node.target is operator.getitem:
-        src, index = node.args
-        ins = tval(src)
-        if ins is not None and _leading_slice(index, ins.dim()):
-            return "slice", src, ("slice", index)
-        return None
-    if is_call(node, MUL, ("mul",)) and not node.kwargs.get("out"):
-        src, k = _tensor_side(node)
-        k = number(k)
-        if src is not None and k is not None:
-            return "scale", src, k
-        return _tensor_scale(node, out)
-    if is_call(node, DIV, ("div", "true_divide")) and not node.kwargs.get("rounding_mode") \
-            and not node.kwargs.get("out"):
-        src, k = arg(node, 0, "input"), number(arg(node, 1, "other"))
-        if isinstance(src, Node) and k not in (None, 0.0):
-            return "scale", src, 1.0 / k
-        return None
-    if is_call(node, TANH, ("tanh",)) and len(node.args) == 1 and not node.kwargs:
-        return "tanh", node.args[0], None
-    if is_call(node, ADD, ("add",)) and not node.kwargs:
-        a, b = node.args[:2] if len(node.args) >= 2 else (None, None)
-        for src, bias in ((a, b), (b, a)):
-            ts, tb = tval(src), tval(bias)
-            if ts is not None and tb is not None and tb.dim() == 1 and ts.dim() == out.dim() \
-                    and same(tb.shape[0], out.shape[-1]):
-                return "bias", src, bias
-        return None
-    return _dtensor.step(node)  # redistribute / to_local of tensor-parallel (DTensor) logits
-
-
-def _leading_permutation(node: Node) -> Optional[tuple]:
-    """The permutation a transpose / permute applies, when it keeps the last (vocabulary) dim last."""
-    ins = tval(node.args[0]) if node.args else None
-    if ins is None or node.kwargs:
-        return None
-    n = ins.dim()
-    if is_call(node, TRANSPOSE, TRANSPOSE_METHODS):
-        if len(node.args) != 3:
-            return None
-        d0, d1 = norm_dim(node.args[1], n), norm_dim(node.args[2], n)
-        if d0 is None or d1 is None:
-            return None
-        perm = list(range(n))
-        perm[d0], perm[d1] = d1, d0
-    else:
-        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)) else node.args[1:]
-        perm = [norm_dim(d, n) for d in dims]
-        if len(perm) != n or None in perm or sorted(perm) != list(range(n)):
-            return None
-    return tuple(perm) if perm[-1] == n - 1 else None
-
-
-def _tensor_scale(node: Node, out: torch.Tensor) -> Optional[tuple[str, Node, Node]]:
-    """``z * s`` (either order) with ``s`` a tensor of one factor per vocabulary entry, or one factor:
-    ("tensor_scale", z, s), when the multiply changes neither the shape nor the dtype of ``z``."""
-    a, b = arg(node, 0, "input"), arg(node, 1, "other")
-    for src, scale in ((a, b), (b, a)):
-        ts, tk = tval(src), tval(scale)
-        if ts is None or tk is None or not tk.dtype.is_floating_point or tk.dim() > ts.dim():
-            continue
-        if ts.dtype != out.dtype or ts.dim() != out.dim() or not all(same(x, y) for x, y in zip(ts.shape, out.shape)):
-            continue
-        if all(same(x, 1) for x in tk.shape[:-1]) and (tk.dim() == 0 or same(tk.shape[-1], 1)
-                                                       or same(tk.shape[-1], out.shape[-1])):
-            return "tensor_scale", src, scale
-    return None
-
-
-def _depends_on(node: Node, target: Node, limit: int = 100_000) -> bool:
+def _depends_on(node: Node, target: Node) -> bool:
     """True when ``target`` is among ``node``'s inputs, transitively (or the graph is too large to tell)."""
     seen, stack = set(), [node]
     while stack:
         n = stack.pop()
-        if n is target or len(seen) > limit:
+        if n is target or len(seen) > DEPENDS_LIMIT:
             return True
         if n not in seen:
             seen.add(n)
             stack.extend(n.all_input_nodes)
     return False
-
-
-def scaled_weight(graph, chain: Logits) -> Node:
-    """``[V, D]`` weight times ``chain.weight_scale`` per row, in the weight's dtype, computed where the
-    logits were multiplied (so it reads the scale when eager did)."""
-    e = Emitter(graph, chain.weight_scale_at, chain.weight_scale_at)
-    w = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
-    w = e.call(operator.mul, w, e.method("reshape", chain.weight_scale, (-1, 1)))
-    return w if tval(w).dtype == tval(chain.weight).dtype else e.method("to", w, tval(chain.weight).dtype)
 
 
 def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
@@ -311,70 +280,99 @@ def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
 
 
 def _is_matmul(node: Any) -> bool:
-    return is_call(node, LINEAR + MATMUL, MATMUL_METHODS) or _einsum_weight(node) is not None
+    return is_call(node, LINEAR + MATMUL) or _einsum_weight(node) is not None
 
 
-def _root(node: Node) -> Union[Logits, str]:
-    """The matmul node's operands, as a partially filled Logits, or a reason."""
+def _root(node: Node) -> Union[Logits, Decline]:
+    """The matmul node's operands, as a partially filled Logits."""
     if is_call(node, LINEAR):
-        x, w = arg(node, 0, "input"), arg(node, 1, "weight")
-        b = arg(node, 2, "bias")
+        x, w, b = arg(node, 0, "input"), arg(node, 1, "weight"), arg(node, 2, "bias")
         tw = tval(w)
         if tw is None or tw.dim() != 2:
-            return "the linear's weight is not a 2-D tensor"
+            return Decline(None, node, "the linear's weight is not a 2-D tensor")
         return Logits(node, x, w, True, b if isinstance(b, Node) else None)
     einsum = _einsum_weight(node)
     if einsum is not None:
         x, w, is_vd = einsum
         return Logits(node, x, w, is_vd)
-    x, m = node.args[:2]
+    x, m = arg(node, 0, "input"), arg(node, 1, "other")
     tm = tval(m)
     if tm is None or tm.dim() != 2:
-        return "the matmul's right operand is not a 2-D weight"
+        return Decline(None, node, "the matmul's right operand is not a 2-D weight")
     # W.t() / W.T / W.transpose(0, 1) / W.permute(1, 0) of a [V, D] weight: use W itself
-    inner = m.args[0] if isinstance(m, Node) and m.args else None
+    inner = arg(m, 0, "input")
     is_t = (
-        is_call(m, (), ("t",))
+        is_call(m, ("t", torch.t))
         or (m.op == "call_function" and m.target is getattr and m.args[1:] in (("T",), ("mT",)))
-        or (is_call(m, (torch.t,)))
-        or (is_call(m, (torch.transpose,), ("transpose",)) and {norm_dim(d, 2) for d in m.args[1:3]} == {0, 1})
-        or (is_call(m, (), ("permute",)) and tuple(m.args[1:]) in ((1, 0), ((1, 0),), ([1, 0],)))
+        or (is_call(m, (torch.transpose, "transpose")) and {norm_dim(d, 2) for d in m.args[1:3]} == {0, 1})
+        or (is_call(m, ("permute",)) and tuple(m.args[1:]) in ((1, 0), ((1, 0),), ([1, 0],)))
     )
     if is_t and tval(inner) is not None and tval(inner).dim() == 2:
         return Logits(node, x, inner, True)
     return Logits(node, x, m, False)
 
 
-def trace(logits: Node) -> Union[Logits, str, None]:
-    """Logits for the tensor ``logits`` (vocabulary last), a reason to decline when an lm_head
-    matmul is there but something unsupported sits in between, or None when no matmul feeds it."""
+def trace(logits: Node) -> Union[Logits, Decline, None]:
+    """Logits for the tensor ``logits`` (vocabulary last); a Decline when an lm_head matmul is there
+    but something unsupported sits in between; None when no matmul feeds it."""
     steps: list[tuple[str, Node, Any, Node]] = []
     node = logits
-    for _ in range(64):
+    for _ in range(MAX_STEPS):
         if _is_matmul(node):
             break
         step = _step(node) if isinstance(node, Node) else None
         if step is None:
-            if isinstance(node, Node) and node.op == "placeholder" and steps and steps[-1][0] == "cast":
-                return GRAPH_INPUT
-            if isinstance(node, Node) and node.op == "call_module" and _is_linear_module(node):
-                return CALL_MODULE
-            return _unsupported(node)
+            return _stopped(node, steps)
         steps.append((*step, node))
         node = step[1]
     else:
         return None
     root = _root(node)
-    if isinstance(root, str):
+    if isinstance(root, Decline):
         return root
     tx = tval(root.hidden)
     if tx is None or tx.dim() < 2:
-        return "the hidden states are not a [..., D] tensor with at least one row dimension"
-    root.nodes = [node]
+        return Decline(None, node, "the hidden states are not a [..., D] tensor with at least one row dimension")
+    reason = _fold(root, steps)
+    return root if reason is None else Decline(None, node, reason)
 
-    # replay the steps forward, folding them into (bias, logit_scale, softcap, shape_ops)
+
+def _stopped(node: Any, steps: list) -> Optional[Decline]:
+    """Why the walk cannot pass ``node`` when an lm_head lies behind it; None when none does."""
+    if isinstance(node, Node) and node.op == "placeholder" and steps and steps[-1][0] == "cast":
+        return Decline(None, node, GRAPH_INPUT, logits_input=True)
+    if isinstance(node, Node) and node.op == "call_module" and _is_linear_module(node):
+        return Decline(None, node, CALL_MODULE)
+    cur = node
+    for _ in range(UNSUPPORTED_DEPTH):
+        first = arg(cur, 0, "input") if isinstance(cur, Node) else None
+        if isinstance(first, (list, tuple)) and first:  # torch.stack / torch.cat of several heads
+            first = first[0]
+        if not isinstance(first, Node):
+            return None
+        cur = first
+        if _is_matmul(cur):
+            desc = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
+            what = (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
+                    "heads; compute each head's loss from its own matmul to fuse)"
+                    if node.target is operator.getitem else "")
+            reason = f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name}){what}"
+            return Decline(None, node, reason)
+    return None
+
+
+def _is_linear_module(node: Node) -> bool:
+    try:
+        return isinstance(node.graph.owning_module.get_submodule(node.target), torch.nn.Linear)
+    except (AttributeError, TypeError):
+        return False
+
+
+def _fold(root: Logits, steps: list) -> Optional[str]:
+    """Replay ``steps`` forward from the matmul, folding them into ``root`` (bias, logit_scale,
+    softcap, weight_scale, shape_ops); a reason when they do not fold."""
+    root.nodes = [root.matmul]
     scale, post, tanh_seen = 1.0, None, False
-    final_from = 0
     for kind, _src, payload, n in reversed(steps):
         root.nodes.append(n)
         if kind == "scale":
@@ -405,8 +403,7 @@ def trace(logits: Node) -> Union[Logits, str, None]:
         elif kind in ("slice", "view"):
             root.shape_ops.append((len(root.nodes) - 1, payload))
         if kind in ("scale", "tensor_scale", "tanh", "bias", "slice"):
-            final_from = len(root.nodes) - 1
-    root.final_from = final_from
+            root.final_from = len(root.nodes) - 1
     if tanh_seen:
         if post == 0.0 or not math.isfinite(post):
             return f"softcap multiplier {post} is not a finite nonzero number"
@@ -415,23 +412,31 @@ def trace(logits: Node) -> Union[Logits, str, None]:
         root.logit_scale = scale
     if not math.isfinite(root.logit_scale):
         return f"logit scale {root.logit_scale} is not finite"
-    return root
-
-
-def _unsupported(node: Any) -> Optional[str]:
-    """A reason when an lm_head matmul lies upstream of ``node`` through an op we cannot fold."""
-    cur = node
-    for _ in range(16):
-        first = cur.args[0] if isinstance(cur, Node) and cur.args else None
-        if isinstance(first, (list, tuple)) and first:  # torch.stack / torch.cat of several heads
-            first = first[0]
-        if not isinstance(first, Node):
-            return None
-        cur = first
-        if _is_matmul(cur):
-            desc = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
-            what = (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
-                    "heads; compute each head's loss from its own matmul to fuse)"
-                    if node.target is operator.getitem else "")
-            return f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name}){what}"
     return None
+
+
+def replay(emit, tensor: Node, ops: list, last: Any) -> Node:
+    """Apply the leading-dim views / slices ``ops`` of the logits to ``tensor``, whose last
+    dimension is ``last`` (D for the hidden states, 1 for an lse column) instead of V."""
+    for op in ops:
+        if op[0] == "slice":
+            tensor = emit.getitem(tensor, op[1])
+        elif op[0] == "permute":
+            tensor = emit.method("permute", tensor, op[1])
+        elif op[0] == "flatten":
+            tensor = emit.method("flatten", tensor, op[1], op[2])
+        else:
+            shape = list(op[1])
+            if not (isinstance(shape[-1], int) and shape[-1] == -1):
+                shape[-1] = last
+            tensor = emit.method("reshape", tensor, shape)
+    return tensor
+
+
+def scaled_weight(graph, chain: Logits) -> Node:
+    """``[V, D]`` weight times ``chain.weight_scale`` per row, in the weight's dtype, computed where the
+    logits were multiplied (so it reads the scale when eager did)."""
+    e = Emitter(graph, chain.weight_scale_at, chain.weight_scale_at)
+    w = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
+    w = e.call(operator.mul, w, e.method("reshape", chain.weight_scale, (-1, 1)))
+    return w if tval(w).dtype == tval(chain.weight).dtype else e.method("to", w, tval(chain.weight).dtype)

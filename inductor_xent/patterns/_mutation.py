@@ -17,8 +17,8 @@ matmul was; a write in between changes what it reads. Dynamo graphs spell writes
 * a callable without any schema whose name looks in-place (Inductor's ``is_mutation_op`` regex), a
   higher-order op, or a written argument that cannot be located in the call: every tensor input.
 
-Only the written *arguments* are returned; whether one aliases a tensor the rewrite reads is the
-caller's question (storages of the example values).
+``writes`` returns only the written *arguments*; ``written_between`` asks whether one may alias a
+tensor the rewrite of a site reads or moves (storages of the example values).
 """
 
 from __future__ import annotations
@@ -32,13 +32,13 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
+from ._fx import bind, tval
+
 # Python's in-place operators (``h += 1`` is traced as operator.iadd) and item assignment
-_PY_INPLACE = {getattr(operator, n) for n in (
-    "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift",
-    "iand", "ior", "ixor", "iconcat", "setitem", "delitem")}
-_PY_INPLACE_METHODS = {f"__{n}__" for n in (
-    "iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift", "irshift",
-    "iand", "ior", "ixor", "setitem", "delitem")}
+_PY_INPLACE_NAMES = ("iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift",
+                     "irshift", "iand", "ior", "ixor", "setitem", "delitem")
+_PY_INPLACE = {getattr(operator, n) for n in (*_PY_INPLACE_NAMES, "iconcat")}
+_PY_INPLACE_METHODS = {f"__{n}__" for n in _PY_INPLACE_NAMES}
 # torch._inductor.pattern_matcher._mutation_op_re: a trailing "_" (not dunder) or a set/enter/exit/seed word
 _INPLACE_NAME = re.compile(r"(?<!_)(_$|_[.]|(\b|_)(set|enter|exit|seed)(\b|_))(?!_)")
 
@@ -101,7 +101,88 @@ def swaps_storage(node: Node) -> bool:
     return _name(node) in ("set_", "swap_tensors")
 
 
+def written_between(gm, order: dict, site, chain, lse_users, hoisted) -> Optional[str]:
+    """A reason when a write could change what the rewrite computes.
+
+    The op reads the hidden states, weight, bias and targets where it is placed (before the loss
+    and the logsumexps it replaces); eager read them at the matmul and at the idiom's own nodes
+    (``one_hot(y)``, a gather). So no node from the first of those reads to the last node replaced
+    may write a tensor sharing storage with any of them, with the logits the replaced nodes read,
+    or with the inputs of a target computation hoisted up to the op; and no replaced node may
+    write anything (the write would vanish). When the loss requires grad, no later node may write
+    the hidden states, weight, bias or targets either: the op saves all four for its backward,
+    which would then fail where eager's (saving only what each gradient needs) may not. Which op
+    writes what comes from its schema (``writes``), storages from the example values (a
+    view shares its base's); an unknown storage declines.
+    """
+    reads = {chain.hidden: "the hidden states", chain.weight: "the weight", chain.bias: "the bias",
+             site.target: "the targets"}
+    for n in (*chain.nodes, *site.consumed):
+        reads.setdefault(n, "the logits")
+    # one_hot(y) and its casts; target computations moved up, and what they are computed from
+    for n in (*site.aux, *hoisted, *(m for h in hoisted for m in h.all_input_nodes)):
+        reads.setdefault(n, "the targets")
+    reads.pop(None, None)
+    replaced = {site.loss, *lse_users, *chain.nodes, *site.consumed, *site.aux}
+    lo = min(order[n] for n in (chain.matmul, *site.consumed, *site.aux))
+    hi = max(order[n] for n in (site.loss, *lse_users, *hoisted))
+    # eager reads the targets at the loss (or at the idiom's own one_hot / gather), the op where it is
+    # placed: a write to them before both is seen by both (ProphetNet builds its targets in place,
+    # new_zeros().fill_() then slices set, after its lm_head)
+    anchor = min(order[n] for n in (site.loss, *lse_users))
+    target_from = min([anchor] + [order[n] for n in (*site.aux, *hoisted)])
+    start = {r: (target_from if what == "the targets" and r is site.target else lo) for r, what in reads.items()}
+    # the op saves hidden/weight/bias/targets for its backward (whatever requires grad), where eager's
+    # linear saves only what the other operand's gradient needs: a later write would fail backward
+    saved = [chain.hidden, chain.weight, chain.bias, site.target] if tval(site.loss).requires_grad else []
+    storages = [(_storage(r), what, start[r]) for r, what in reads.items()]
+    saved_storages = [(_storage(r), reads[r], 0) for r in saved if r is not None]
+    swapped = next((n for n in gm.graph.nodes if swaps_storage(n)), None)
+    for n in gm.graph.nodes:
+        if order[n] < lo:
+            continue
+        between = order[n] <= hi
+        for w in writes(n):
+            op = spelling(n)
+            where = "between the lm_head matmul and the loss" if between else (
+                "after the loss, and the fused op's backward reads it (eager's may not)")
+            if between and w in reads and order[n] >= start[w]:
+                return f"{op} writes {reads[w]} {where}"
+            if between and n in replaced:
+                return f"{op} writes {w.name}, and the fused op would replace it"
+            live = [(st, what) for st, what, since in (storages if between else saved_storages)
+                    if order[n] >= since]
+            what = _aliased(w, live, swapped)
+            if what:
+                return f"{op} writes {what} {where}"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
+def _aliased(w: Node, storages: list, swapped: Optional[Node]) -> Optional[str]:
+    """What ``w`` may alias among ``storages`` ((storage, what) pairs), or None."""
+    if not storages:
+        return None
+    if swapped is not None:  # storages are as the trace left them, not as they were at the write
+        return f"{w.name} (aliasing unknown: {spelling(swapped)} in the graph)"
+    mutated = _storage(w)
+    for st, what in storages:
+        if mutated is None or st is None:
+            return f"{w.name} (storage unknown)"
+        if st is mutated:
+            return what
+    return None
+
+
+def _storage(node: Node):
+    """The untyped storage of a node's example value (views share it), or None when unknown."""
+    t = tval(node)
+    try:
+        return None if t is None else t.untyped_storage()
+    except Exception:  # noqa: BLE001 - e.g. a tensor subclass without storage
+        return None
+
+
 def _name(node: Node) -> str:
     if node.op == "call_method":
         return str(node.target)
@@ -133,11 +214,10 @@ def _inplace_flag(node: Node) -> bool:
         sig = None
     if sig is None or "inplace" not in sig.parameters:
         return False
-    try:
-        bound = sig.bind(*node.args, **node.kwargs)
-    except TypeError:
+    bound = bind(node, sig)
+    if bound is None:
         return True  # cannot tell which argument is the flag: assume it is set
-    flag = bound.arguments.get("inplace", False)
+    flag = bound.get("inplace", False)
     # a Node or SymBool counts as set; never bool() it (a guard on a symbolic flag)
     return not (flag is None or (isinstance(flag, (bool, int)) and not flag))
 
@@ -209,5 +289,3 @@ def _tensor_kind(t) -> Optional[str]:
         return "list"
     return None
 
-
-__all__ = ["writes", "spelling", "swaps_storage"]

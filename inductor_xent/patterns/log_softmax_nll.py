@@ -15,27 +15,24 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ._fx import arg, is_call, norm_dim, same, tval
-from ._site import Decline, LossSite, integer_target, log_softmax, vocab_last
+from ._fx import arg, bind, is_call, norm_dim, same, tval
+from ._logits import STEPS, VIEWS
+from ._site import Decline, LossSite, integer_target, log_softmax, loss_args_reason, vocab_last
 
 PATTERN = "log_softmax_nll"
+TARGETS = (F.nll_loss, torch.gather, "gather")
 _SIG = inspect.signature(F.nll_loss)
 
 
 def _strip_views(node: Node) -> tuple[Node, tuple]:
     """Row views between log_softmax and the loss (``logp.view(-1, V)``), which commute with it."""
     views = []
-    while is_call(node, (torch.reshape, torch.flatten), ("view", "reshape", "flatten", "contiguous")):
-        src = node.args[0]
-        ts, tn = tval(src), tval(node)
-        if ts is None or tn is None or tn.dim() < 2 or not same(ts.shape[-1], tn.shape[-1]) \
-                or ts.dtype != tn.dtype:
-            break
-        end = norm_dim(arg(node, 2, "end_dim", -1), ts.dim())
-        if node.target in ("flatten", torch.flatten) and end == ts.dim() - 1:
+    while is_call(node, VIEWS) and tval(node) is not None:
+        step = STEPS[node.target](node, tval(node))  # the views the walk back from the logits folds
+        if step is None:
             break
         views.append(node)
-        node = src
+        node = step[1]
     return node, tuple(views)
 
 
@@ -61,35 +58,24 @@ def _logits_of_log_probs(x: Node, class_dim: int):
 def match(node: Node):
     if is_call(node, (F.nll_loss,)):
         return _match_nll(node)
-    if is_call(node, (torch.gather,), ("gather",)):
+    if is_call(node, (torch.gather, "gather")):
         return _match_gather(node)
     return None
 
 
 def _match_nll(node: Node):
-    try:
-        bound = _SIG.bind(*node.args, **node.kwargs)
-    except TypeError:
+    a = bind(node, _SIG)
+    if a is None:
         return Decline(PATTERN, node, "nll_loss arguments not understood")
-    bound.apply_defaults()
-    a = bound.arguments
     found = _logits_of_log_probs(a["input"], 1)
     if found is None:
         return None  # nll_loss of something else: not an lm_head site
-    if a["weight"] is not None:
-        return Decline(PATTERN, node, logits=found[0], reason="class weights (weight=...) are not supported")
-    if a["size_average"] is not None or a["reduce"] is not None:
-        return Decline(PATTERN, node, logits=found[0], reason="legacy size_average/reduce arguments")
-    reason = integer_target(a["target"])
-    if reason:
-        return Decline(PATTERN, node, logits=found[0], reason=reason)
-    ii, reduction = a["ignore_index"], a["reduction"]
-    if not isinstance(ii, int) or isinstance(ii, bool):
-        return Decline(PATTERN, node, logits=found[0], reason=f"ignore_index {ii!r} is not a Python int")
-    if reduction not in ("mean", "sum", "none"):
-        return Decline(PATTERN, node, logits=found[0], reason=f"reduction {reduction!r}")
     logits, consumed = found
-    return LossSite(PATTERN, node, logits, a["target"], consumed, (), ii, reduction, 0.0, shape_ref=a["target"])
+    reason = loss_args_reason(a)
+    if reason:
+        return Decline(PATTERN, node, reason, logits=logits)
+    return LossSite(PATTERN, node, logits, a["target"], consumed, (), a["ignore_index"], a["reduction"], 0.0,
+                    shape_ref=a["target"])
 
 
 def _match_gather(node: Node):

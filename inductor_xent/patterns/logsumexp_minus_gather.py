@@ -15,18 +15,17 @@ from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
 from ._logits import CAST_METHODS
-from ._site import Decline, LossSite, integer_target
-from .z_loss import lse_of
+from ._site import Decline, LossSite, integer_target, lse_of
 
 PATTERN = "logsumexp_minus_gather"
-_SUB = (operator.sub, torch.sub)
+TARGETS = (operator.sub, torch.sub, "sub")
 
 
 def _gathered(node):
     """(gather node, logits, index, squeezed) for ``z.gather(-1, idx)`` maybe squeezed to rows."""
     squeezed = None
-    if is_call(node, (torch.squeeze,), ("squeeze",)) and len(node.args) == 2:
-        squeezed, node = node, node.args[0]
+    if is_call(node, (torch.squeeze, "squeeze")) and len(node.args) == 2:
+        squeezed, node = node, arg(node, 0, "input")
     elif node is not None and is_call(node, (operator.getitem,)):
         src, index = node.args
         ts = tval(src)
@@ -34,24 +33,24 @@ def _gathered(node):
                 i is Ellipsis or (isinstance(i, slice) and i == slice(None)) for i in index[:-1]) \
                 and (Ellipsis in index or len(index) == ts.dim()):
             squeezed, node = node, src
-    if not is_call(node, (torch.gather,), ("gather",)) or node.kwargs.get("sparse_grad"):
+    if not is_call(node, (torch.gather, "gather")) or node.kwargs.get("sparse_grad"):
         return None
     z, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
     tz, ti = tval(z), tval(index)
     if tz is None or ti is None or norm_dim(dim, tz.dim()) != tz.dim() - 1 or ti.dim() != tz.dim():
         return None
     if squeezed is not None and squeezed.op == "call_method" and squeezed.target == "squeeze" \
-            and norm_dim(squeezed.args[1], tz.dim()) != tz.dim() - 1:
+            and norm_dim(arg(squeezed, 1, "dim"), tz.dim()) != tz.dim() - 1:
         return None
     return node, z, index, squeezed
 
 
 def match(node: Node):
-    if not is_call(node, _SUB, ("sub",)) or node.kwargs or len(node.args) != 2:
+    if node.kwargs or len(node.args) != 2:
         return None
     lse_node, g = node.args
-    while isinstance(lse_node, Node) and lse_node.op == "call_method" and lse_node.target in CAST_METHODS:
-        lse_node = lse_node.args[0]  # lse.float() - z.float().gather(...)
+    while is_call(lse_node, CAST_METHODS):
+        lse_node = arg(lse_node, 0, "input")  # lse.float() - z.float().gather(...)
     found_lse = lse_of(lse_node)
     found_g = _gathered(g) if isinstance(g, Node) else None
     if found_lse is None or found_g is None:

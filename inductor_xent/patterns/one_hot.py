@@ -19,25 +19,25 @@ from ._logits import CAST_METHODS
 from ._site import Decline, LossSite, integer_target, log_softmax
 
 PATTERN = "one_hot"
-_MUL = (operator.mul, torch.mul)
+TARGETS = (torch.sum, "sum")
 
 
 def _one_hot(node):
     """(class ids node, num_classes, nodes) when ``node`` is one_hot(y, n), maybe cast."""
     chain = []
-    while isinstance(node, Node) and node.op == "call_method" and node.target in CAST_METHODS:
+    while is_call(node, CAST_METHODS):
         chain.append(node)
-        node = node.args[0]
+        node = arg(node, 0, "input")
     if is_call(node, (F.one_hot,)):
         return arg(node, 0, "tensor"), arg(node, 1, "num_classes", -1), (*chain, node)
     return None
 
 
 def match(node: Node):
-    if not is_call(node, (torch.sum,), ("sum",)) or node.kwargs.get("dtype") is not None:
+    if node.kwargs.get("dtype") is not None:
         return None
     src, dim, keep = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
-    if not is_call(src, _MUL, ("mul",)) or len(src.args) != 2 or src.kwargs:
+    if not is_call(src, (operator.mul, torch.mul, "mul")) or len(src.args) != 2 or src.kwargs:
         return None
     for oh, lp in (src.args, src.args[::-1]):
         found, ls = _one_hot(oh), log_softmax(lp)

@@ -1,6 +1,6 @@
 """Named tuning configs of the Triton kernels, and the tables that pick them.
 
-Policy (STYLE.md rule 3): no ``@triton.autotune`` in the op. Every launch takes a named config from a
+Policy: no ``@triton.autotune`` in the op. Every launch takes a named config from a
 table keyed on the dtype class and a bucket of D, so a shape compiles once and the choice is
 reproducible; ``benchmarks/bench_kernels.py --sweep`` times the candidates below on the GPU and the
 measurement that justified each default is written next to it (and in ``benchmarks/NOTES.md``).

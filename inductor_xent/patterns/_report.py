@@ -1,0 +1,76 @@
+"""What the pass says about each candidate site: the ``Site`` record ``run`` returns (and
+``inductor_xent.explain`` shows), its sizes, and the text of a fused site's reason."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from .. import strategy
+from . import _dtensor
+from ._fx import hint, tval
+from ._logits import Logits
+from ._plan import Plan
+from ._site import NO_IGNORE
+
+ESCAPE_HINT = (
+    "the logits are also a graph output (the compiled function returns them), so they must be "
+    "materialised: compile a function that returns only the loss instead, e.g. "
+    "torch.compile(lambda **batch: model(**batch).loss, backend='inductor_xent') or a whole training "
+    "step; or pass options={'xent.allow_escaping_logits': True} to fuse the loss anyway"
+)
+
+
+@dataclass
+class Site:
+    """One candidate site: what ``explain`` reports and ``run`` returns."""
+
+    pattern: str
+    fused: bool
+    reason: str
+    node: str  # the loss node's name in the Dynamo graph
+    rows: Optional[str] = None  # N, the number of rows (symbolic when dynamic)
+    vocab: Optional[int] = None  # V
+    hidden_dim: Optional[int] = None  # D
+    dtype: Optional[str] = None  # dtype of the matmul (the logits as eager computes them)
+    logits_bytes: Optional[int] = None  # one [N, V] logits tensor in that dtype (at the example sizes)
+    bytes_avoided: int = 0  # [N, V]-sized buffers the rewritten forward no longer materialises
+    logits_escape: bool = False  # the logits are a graph output
+    logits_input: bool = False  # the logits are a graph input (a graph break before the loss)
+    strategy: str = ""  # how a fused site computes its gradients (strategy.Plan.describe())
+    extra_bytes: Optional[int] = None  # the strategy's estimated extra memory (at the example sizes)
+
+
+def describe(site: Site, chain: Logits) -> None:
+    """Fill in the sizes of ``site`` from its logits."""
+    tz = tval(chain.matmul)
+    v, d = chain.vd
+    site.vocab, site.hidden_dim, site.dtype = hint(v), hint(d), str(tz.dtype).replace("torch.", "")
+    rows = math.prod(tz.shape[:-1])
+    site.rows = str(rows)
+    n = hint(rows)
+    site.logits_bytes = None if n is None or site.vocab is None else n * site.vocab * tz.element_size()
+
+
+def fused(site: Site, plan: Plan, how: strategy.Plan, bytes_avoided: int) -> None:
+    """Mark ``site`` fused, saying what the op took over."""
+    loss, chain = plan.site, plan.logits
+    parts = (
+        f"reduction={loss.reduction}",
+        loss.ignore_index != NO_IGNORE and f"ignore_index={loss.ignore_index}",
+        loss.label_smoothing and f"label_smoothing={loss.label_smoothing}",
+        chain.bias is not None and "bias",
+        chain.logit_scale != 1.0 and f"logit_scale={chain.logit_scale:g}",
+        chain.softcap is not None and f"softcap={chain.softcap:g}",
+        chain.weight_scale is not None and "tensor scale folded into the weight",
+        chain.sliced and "slice pushed onto the hidden states",
+        not chain.weight_is_vd and "[D, V] weight",
+        _dtensor.describe(chain),  # vocabulary parallel
+        plan.lse_users and f"{len(plan.lse_users)} logsumexp mapped onto the op's lse",
+        plan.escapes and "logits still materialised for their other users (allow_escaping_logits)",
+        "strategy " + how.describe(),
+    )
+    site.fused, site.reason, site.bytes_avoided = True, "fused: " + ", ".join(p for p in parts if p), bytes_avoided
+    site.strategy = how.describe()
+    site.extra_bytes = how.extra_bytes if how.strategy == "store" else None

@@ -1,0 +1,400 @@
+"""What the tests share, so that no test module imports another: the tolerance rule, the inputs,
+spellings and declines of the pass, a recording backend and compile counter, graph printouts.
+
+Sizes: V = 37 (prime, unaligned), D = 16, batch 2 x 7 tokens; targets mix ignore_index (-100) rows
+into every batch, including one all-ignored sequence for the masked spellings.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend, normalize_gm
+
+from inductor_xent import ops
+from inductor_xent.backend import inductor_xent as xent_backend
+from inductor_xent.options import LossOptions, compute_dtype
+
+V, D, B, T = 37, 16, 2, 7
+# the ops of an unfused site (F.one_hot is torch._C._nn.one_hot)
+SOURCE_TARGETS = {F.cross_entropy, F.nll_loss, torch._C._nn.linear, operator.matmul, torch.matmul, torch.mm,
+                  torch.einsum, torch.logsumexp, F.log_softmax, F.one_hot}
+SOURCE_METHODS = {"log_softmax", "gather", "logsumexp"}
+
+
+# ---------------------------------------------------------------------------------------------
+# the tolerance rule: errors relative to PyTorch's own error against float64
+# ---------------------------------------------------------------------------------------------
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖x − ref‖ / ‖ref‖ in float64 (absolute error when ref is all zeros)."""
+    x, ref = x.detach().double(), ref.detach().double()
+    if torch.isnan(ref).any() or torch.isnan(x).any():
+        return 0.0 if torch.equal(torch.isnan(x), torch.isnan(ref)) and torch.allclose(
+            x.nan_to_num(), ref.nan_to_num(), rtol=0, atol=0) else float("inf")
+    num = (x - ref).norm().item()
+    den = ref.norm().item()
+    return num / den if den > 0 else num
+
+
+def assert_within_torch_error(ours, torch_same_dtype, exact, *, k: float = 4.0, floor: float = 1e-6, what=""):
+    """err(ours, exact) <= k * err(torch_same_dtype, exact) + floor.
+
+    ``exact`` is computed in float64; ``torch_same_dtype`` is what plain PyTorch gets in the input
+    dtype, so the bound says "no worse than PyTorch itself" (k leaves room for a different but
+    equally good rounding order)."""
+    e_ours, e_torch = rel_err(ours, exact), rel_err(torch_same_dtype, exact)
+    assert e_ours <= k * e_torch + floor, f"{what}: err(ours)={e_ours:.3g} > {k}*err(torch)={e_torch:.3g} + {floor:g}"
+
+
+def torch_same_dtype_loss(hidden, weight, target, bias=None, **kw):
+    """The eager PyTorch spelling users write: the linear in the input dtype, then .float()."""
+    opts = LossOptions(kw.get("ignore_index", -100), kw.get("label_smoothing", 0.0),
+                       kw.get("logit_scale", 1.0), kw.get("softcap"), kw.get("z_loss", 0.0))
+    z = F.linear(hidden, weight, bias)
+    z = z.to(compute_dtype(hidden.dtype)) * opts.logit_scale
+    if opts.softcap is not None:
+        z = opts.softcap * torch.tanh(z / opts.softcap)
+    v = weight.shape[0]
+    zf, t = z.reshape(-1, v), target.reshape(-1)
+    red = kw.get("reduction", "mean")
+    loss = F.cross_entropy(zf, t, ignore_index=opts.ignore_index, reduction="none",
+                           label_smoothing=opts.label_smoothing)
+    valid = t != opts.ignore_index
+    loss = loss + torch.where(valid, opts.z_loss * torch.logsumexp(zf, -1) ** 2, 0.0)
+    if red == "none":
+        return loss.reshape(target.shape)
+    if red == "sum":
+        return loss.sum()
+    return loss.sum() / valid.sum()
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------
+def make_inputs(dtype=torch.float32, seed=0, batch=B):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, T, D, generator=g, dtype=dtype)
+    W = (torch.randn(V, D, generator=g) * 0.5).to(dtype)
+    Wdv = (torch.randn(D, V, generator=g) * 0.5).to(dtype)
+    b = torch.randn(V, generator=g).to(dtype)
+    yv = torch.randint(0, V, (batch, T), generator=g)
+    y = yv.clone()
+    y[0, ::3] = -100  # ignored rows mixed in
+    y[-1, :] = -100 if batch > 2 else y[-1, :]
+    return dict(x=x, W=W, Wdv=Wdv, b=b, y=y, yv=yv, n=(y != -100).sum())
+
+
+def leaves(inputs, requires_grad=True):
+    out = {}
+    for k, v in inputs.items():
+        v = v.detach().clone()
+        if v.is_floating_point() and requires_grad:
+            v.requires_grad_(True)
+        out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# spellings that must fuse: name -> (fn(x, W, Wdv, b, y, yv, n), pattern)
+# ---------------------------------------------------------------------------------------------
+def _hf_loss(logits, labels, n):
+    """transformers' ForCausalLMLoss with num_items_in_batch: pad-shifted labels, sum / n."""
+    logits = logits.float()
+    labels = F.pad(labels, (0, 1), value=-100)
+    shift = labels[..., 1:].contiguous()
+    loss = F.cross_entropy(logits.view(-1, V), shift.view(-1).to(logits.device), ignore_index=-100,
+                           reduction="sum")
+    return loss / n
+
+
+SPELLINGS = {
+    # F.linear without bias, view to rows: nanoGPT / HF
+    "linear_view_mean": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1)),
+                         "lm_head_cross_entropy"),
+    # nanoGPT: logits.view(-1, logits.size(-1)), ignore_index=-1
+    "nanogpt": (lambda x, W, Wdv, b, y, yv, n: _nanogpt(x, W, torch.where(y < 0, -1, y)), "lm_head_cross_entropy"),
+    # F.linear with bias, upcast, reduction sum
+    "linear_bias_float_sum": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W, b).float().view(-1, V), y.view(-1), reduction="sum"), "lm_head_cross_entropy"),
+    # @ with .T and a constant scale (muP-style output multiplier), reshape
+    "matmul_T_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        ((x @ W.T) * 0.5).reshape(-1, V), y.reshape(-1)), "lm_head_cross_entropy"),
+    # torch.mm of flattened hidden with .t(), division by a constant, .to(dtype)
+    "mm_t_div_to": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (torch.mm(x.view(-1, D), W.t()) / 3.0).to(torch.float32), y.flatten()), "lm_head_cross_entropy"),
+    # weight stored [D, V]: torch.matmul(x, Wdv)
+    "weight_dv": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        torch.matmul(x, Wdv).flatten(0, 1), y.flatten()), "lm_head_cross_entropy"),
+    # einsum, weight [V, D]
+    "einsum": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        torch.einsum("btd,vd->btv", x, W).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # Gemma 2 final_logit_softcapping: div -> tanh -> mul, then .float()
+    "softcap": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (torch.tanh(F.linear(x, W) / 2.0) * 2.0).float().view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # a separate bias add after the matmul
+    "bias_add": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (x @ W.t() + b).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # slicing the logits along the sequence (pushed onto the hidden states)
+    "slice_seq": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W)[:, :-1, :].contiguous().view(-1, V), y[:, 1:].reshape(-1)), "lm_head_cross_entropy"),
+    # class dim moved to 1
+    "transpose": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(F.linear(x, W, b).transpose(1, 2), y),
+                  "lm_head_cross_entropy"),
+    # reduction="none", then the user's own masking and mean
+    "none_masked": (lambda x, W, Wdv, b, y, yv, n: (
+        F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), reduction="none")
+        * (y.view(-1) != -100)).sum() / (y != -100).sum(), "lm_head_cross_entropy"),
+    # ignore_index and label smoothing
+    "ignore_smoothing": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).view(-1, V), torch.where(y < 0, -1, y).view(-1), ignore_index=-1, label_smoothing=0.2),
+        "lm_head_cross_entropy"),
+    # transformers ForCausalLMLoss with num_items_in_batch
+    "hf_causal_lm": (lambda x, W, Wdv, b, y, yv, n: _hf_loss(F.linear(x, W), y, n), "lm_head_cross_entropy"),
+    # nll_loss of log_softmax
+    "nll_log_softmax": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
+        F.log_softmax(F.linear(x, W).float(), dim=-1).view(-1, V), y.view(-1)), "log_softmax_nll"),
+    # nll_loss with the class dim at 1
+    "nll_transposed": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
+        torch.log_softmax(F.linear(x, W), -1).transpose(1, 2), y, reduction="sum"), "log_softmax_nll"),
+    # -log p(target) through gather
+    "logprob_gather": (lambda x, W, Wdv, b, y, yv, n: -(
+        F.linear(x, W).log_softmax(-1).gather(-1, yv.unsqueeze(-1)).squeeze(-1)).mean(), "log_softmax_nll"),
+    # -(one_hot * log_softmax).sum(-1)
+    "one_hot": (lambda x, W, Wdv, b, y, yv, n: -(
+        F.one_hot(yv, V).float() * F.log_softmax(x @ W.t(), dim=-1)).sum(-1).mean(), "one_hot"),
+}
+
+
+def _z_loss(x, W, Wdv, b, y, yv, n):
+    """cross-entropy plus a PaLM-style z-loss on a separately computed logsumexp."""
+    logits = F.linear(x, W).float()
+    ce = F.cross_entropy(logits.view(-1, V), y.view(-1))
+    return ce + 1e-2 * torch.logsumexp(logits, dim=-1).pow(2).mean()
+
+
+def _nanogpt(x, W, targets):
+    logits = F.linear(x, W)
+    B, T, C = logits.shape
+    return F.cross_entropy(logits.view(B * T, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def _lse_minus_gather(x, W, Wdv, b, y, yv, n):
+    """logsumexp - gather, torch.gather and [..., 0] spelling, in the matmul dtype."""
+    z = x @ W.t()
+    return (torch.logsumexp(z, dim=-1) - torch.gather(z, -1, yv[..., None])[..., 0]).mean()
+
+
+def _lse_gather_shared(x, W, Wdv, b, y, yv, n):
+    """logsumexp and gather of the same logits node, the lse reused for a z-loss."""
+    z = F.linear(x, W).float()
+    lse = torch.logsumexp(z, -1)
+    return (lse - z.gather(-1, yv[..., None]).squeeze(-1)).mean() + 1e-2 * (lse**2).mean()
+
+
+def _lse_keepdim(x, W, Wdv, b, y, yv, n):
+    """keepdim=True logsumexp minus the unsqueezed gather, squeezed at the end; z-loss on the
+    matmul-dtype logits before an upcast."""
+    z = F.linear(x, W, b)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    rows = (lse.float() - z.float().gather(-1, yv.unsqueeze(-1))).squeeze(-1)
+    return rows.sum() + 1e-2 * lse.square().sum()
+
+
+def _tied(x, W, Wdv, b, y, yv, n):
+    """GPT-2 / nanoGPT tied embeddings: the lm_head weight is the token embedding."""
+    h = F.embedding(yv, W) + x
+    return F.cross_entropy(F.linear(h, W).view(-1, V), y.view(-1))
+
+
+SPELLINGS.update({
+    "z_loss": (_z_loss, "lm_head_cross_entropy"),
+    "lse_gather_shared": (_lse_gather_shared, "logsumexp_minus_gather"),
+    "lse_minus_gather": (_lse_minus_gather, "logsumexp_minus_gather"),
+    "lse_keepdim": (_lse_keepdim, "logsumexp_minus_gather"),
+    "tied_embedding": (_tied, "lm_head_cross_entropy"),
+})
+
+
+def _prophetnet(x, W, Wdv, b, y, yv, n):
+    """ProphetNet: the streams' logits [B, ngram, T, V] moved to [ngram, B, T, V] before the loss
+    (here B and T play ngram and B); log_softmax with dtype=float32 then nll_loss."""
+    z = F.linear(x, W).transpose(0, 1).contiguous()
+    lp = F.log_softmax(z.view(-1, z.size(-1)), dim=-1, dtype=torch.float32)
+    return F.nll_loss(lp, y.transpose(0, 1).reshape(-1))
+
+
+SPELLINGS.update({
+    # RecurrentGemma: F.tanh (its own callable in the graph, not torch.tanh), cap on the right
+    "softcap_functional_tanh": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (F.tanh(F.linear(x, W) / 2.0) * 2.0).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # the cap first, the division written as a multiplication, the method spelling of tanh
+    "softcap_cap_first": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (2.0 * (F.linear(x, W) * 0.5).tanh()).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # Dory: a learned scale per vocabulary entry after the upcast (b stands for it; its gradient is checked)
+    "vocab_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (F.linear(x, W).float() * b).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    # a 0-dim tensor factor on the left, on a [D, V] weight, before a softcap
+    "scalar_tensor_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (torch.tanh((b[0] * (x @ Wdv)) / 3.0) * 3.0).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    "prophetnet_transpose": (_prophetnet, "log_softmax_nll"),
+    # a permutation of the leading dims, then the [B, T]-shaped targets permuted alike
+    "permute_leading": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1)), "lm_head_cross_entropy"),
+})
+
+
+if hasattr(F, "linear_cross_entropy"):  # torch 2.13+: its reference path inlines to linear + CE
+    SPELLINGS["torch_linear_cross_entropy"] = (lambda x, W, Wdv, b, y, yv, n: F.linear_cross_entropy(
+        x.view(-1, D), W, y.view(-1), linear_bias=b, ignore_index=-100), "lm_head_cross_entropy")
+
+
+
+# ---------------------------------------------------------------------------------------------
+# declines: name -> (fn, words its reason contains)
+# ---------------------------------------------------------------------------------------------
+DECLINES = {
+    "class_weights": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V)), "class weights"),
+    "probability_targets": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).view(-1, V), F.softmax(F.linear(x, Wdv.t()), -1).detach().view(-1, V)),
+        "probability targets"),
+    "logits_other_user": (lambda x, W, Wdv, b, y, yv, n: _other_user(x, W, y), "other users"),
+    "float64_upcast": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).double().view(-1, V), y.view(-1)), "float64 loss"),
+    "unsupported_op_between": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        torch.relu(F.linear(x, W)).view(-1, V), y.view(-1)), "unsupported op"),
+    "no_grad_lm_head": (lambda x, W, Wdv, b, y, yv, n: _no_grad_head(x, W, y), "grad mode changes"),
+    "mixed_dtype_bias": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (x.bfloat16() @ W.bfloat16().t() + b).view(-1, V), y.view(-1)), "mixed dtypes"),
+    "nll_class_weights": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
+        F.log_softmax(F.linear(x, W), -1).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V)),
+        "class weights"),
+    "one_hot_keepdim": (lambda x, W, Wdv, b, y, yv, n: -(
+        F.one_hot(yv, V) * F.log_softmax(F.linear(x, W), -1)).sum(-1, keepdim=True).mean(), "without keepdim"),
+    "legacy_reduce": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        F.linear(x, W).view(-1, V), y.view(-1), size_average=True), "legacy"),
+    # a factor per row (here a padding mask) is not a per-vocabulary scale: it cannot go into the weight
+    "row_mask_multiply": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (F.linear(x, W) * (y != -100).unsqueeze(-1)).view(-1, V), y.view(-1)), "unsupported op"),
+    # a per-vocabulary factor computed from the logits themselves
+    "scale_from_logits": (lambda x, W, Wdv, b, y, yv, n: _scale_from_logits(x, W, y), "computed from the logits"),
+    # after the softcap only a Python number can be folded (into the cap)
+    "tensor_scale_after_tanh": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
+        (torch.tanh(F.linear(x, W) / 2.0) * b).view(-1, V), y.view(-1)), "after the softcap"),
+    # one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets
+    "one_hot_broadcast": (lambda x, W, Wdv, b, y, yv, n: -(
+        F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean(), "broadcast"),
+}
+
+
+def _scale_from_logits(x, W, y):
+    z = F.linear(x, W)
+    return F.cross_entropy((z * z.detach().mean((0, 1))).view(-1, V), y.view(-1))
+
+
+def _no_grad_head(x, W, y):
+    """The head runs under no_grad: moving its
+    work into the loss's grad-enabled region would add gradients eager never computes."""
+    with torch.no_grad():
+        logits = F.linear(x, W)
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + x.sum() * 0
+
+
+def _other_user(x, W, y):
+    logits = F.linear(x, W)
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + 1e-3 * logits.pow(2).mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# the recording backend, printouts, parity
+# ---------------------------------------------------------------------------------------------
+class Recorder:
+    """A backend: records each Dynamo graph before and after our pass (its call targets, and its
+    printout), then compiles it with the backend (``xent.inner`` aot_eager unless given)."""
+
+    def __init__(self, **options):
+        self.options = {"xent.inner": "aot_eager", **options}
+        self.before, self.after, self.graphs = [], [], []  # call targets; the graphs (rewritten in place)
+        self.code_before, self.code_after = [], []  # printouts
+
+    def __call__(self, gm, example_inputs):
+        self.before.append(targets(gm))
+        self.code_before.append(printout(gm))
+        self.graphs.append(gm)
+        out = xent_backend(gm, example_inputs, options=self.options)
+        self.after.append(targets(gm))
+        self.code_after.append(printout(gm))
+        return out
+
+
+def counting(backend, **options):
+    """``backend`` (with ``options``) behind Dynamo's compile counter: ``.frame_count`` graphs compiled."""
+    return CompileCounterWithBackend(functools.partial(backend, options=options) if options else backend)
+
+
+def targets(gm) -> list:
+    return [n.target for n in gm.graph.nodes if n.op in ("call_function", "call_method")]
+
+
+def printout(gm) -> str:
+    """The graph as code with shapes (torch's ``normalize_gm`` of ``print_readable``, blank lines
+    dropped): the same text on torch 2.11 and 2.13."""
+    text = normalize_gm(gm.print_readable(print_output=False))
+    return "".join(line.rstrip() + "\n" for line in text.splitlines() if line.strip())
+
+
+def fused_ops(graph_targets) -> int:
+    """How many fused ops (either strategy's) a recorded graph holds."""
+    return sum(t is ops.FORWARD or t is ops.STORE for t in graph_targets)
+
+
+def sources(graph_targets) -> list:
+    """The ops of an unfused lm_head -> cross-entropy among a graph's call targets."""
+    return [t for t in graph_targets if t in SOURCE_TARGETS or (isinstance(t, str) and t in SOURCE_METHODS)]
+
+
+def logits_sized(graphs, rows: int = B * (T - 1)) -> list[str]:
+    """The nodes of ``graphs`` (Dynamo's or AOTAutograd's) that hold an [N, V] tensor: one with a
+    vocabulary dim and at least ``rows`` rows of it (the fewest any spelling has), other than a
+    [V, D] weight or its gradient."""
+    found = []
+    for g in graphs:
+        for node in g.graph.nodes:
+            v = node.meta.get("val", node.meta.get("example_value"))
+            for t in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(t, torch.Tensor) and V in t.shape and t.numel() >= rows * V \
+                        and sorted(t.shape) != sorted((V, D)):
+                    found.append(node.format_node())
+    return found
+
+
+def run_both(fn, inputs, backend, requires_grad=True, fp64=True):
+    """(eager loss, eager grads, compiled loss, compiled grads[, fp64 loss, fp64 grads])."""
+    results = []
+    for mode in ("eager", "compiled", "fp64")[: 3 if fp64 else 2]:
+        ins = leaves(inputs, requires_grad)
+        if mode == "fp64":
+            ins = {k: (v.detach().double().requires_grad_(requires_grad) if v.is_floating_point() else v)
+                   for k, v in ins.items()}
+        f = torch.compile(fn, backend=backend) if mode == "compiled" else fn
+        loss = f(**ins)
+        grads = {}
+        if requires_grad:
+            loss.backward()
+            grads = {k: v.grad for k, v in ins.items() if v.is_floating_point() and v.grad is not None}
+        results += [loss.detach(), grads]
+    return results
+
+
+def assert_parity(fn, inputs, backend, requires_grad=True, what=""):
+    le, ge, lc, gc, l64, g64 = run_both(fn, inputs, backend, requires_grad)
+    assert lc.dtype == le.dtype and lc.shape == le.shape
+    assert_within_torch_error(lc, le, l64, what=f"{what} loss")
+    assert set(gc) == set(ge), f"{what}: gradients of {sorted(gc)} vs eager {sorted(ge)}"
+    for k in ge:
+        assert_within_torch_error(gc[k], ge[k], g64[k], what=f"{what} grad {k}")
+
+
