@@ -287,7 +287,16 @@ DECLINES = {
     # one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets
     "one_hot_broadcast": (lambda x, W, Wdv, b, y, yv, n: -(
         F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean(), "broadcast"),
+    "lse_before_permute": (lambda x, W, Wdv, b, y, yv, n: _lse_before_permute(x, W, y), "other users"),
 }
+
+
+def _lse_before_permute(x, W, y):
+    """A z-loss logsumexp of the logits before a permutation of their rows: the op's lse rows are in
+    the permuted order, so the logsumexp keeps the logits (row 0 of it: the order matters)."""
+    z = F.linear(x, W)
+    ce = F.cross_entropy(z.permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1))
+    return ce + 1e-2 * (torch.logsumexp(z, -1)[0] * torch.arange(T)).sum()
 
 
 def _scale_from_logits(x, W, y):

@@ -82,7 +82,9 @@ class Logits:
     # ``nodes`` of the node they produce, op); ``replay`` applies them to the hidden states
     shape_ops: list = field(default_factory=list)
     nodes: list = field(default_factory=list)  # matmul ... logits, in graph order
-    final_from: int = 0  # nodes[final_from:] hold the final logit values (for the lse mapping)
+    # nodes[final_from:] hold the final logit values with the rows in their final order, up to casts
+    # and reshapes (for the lse mapping and heads of the same logits)
+    final_from: int = 0
 
     @property
     def sliced(self) -> bool:
@@ -402,7 +404,9 @@ def _fold(root: Logits, steps: list) -> Optional[str]:
             root.bias = payload
         elif kind in ("slice", "view"):
             root.shape_ops.append((len(root.nodes) - 1, payload))
-        if kind in ("scale", "tensor_scale", "tanh", "bias", "slice"):
+        # from here on the values are final, and rows keep their order (a head or logsumexp reading
+        # an earlier node would see other values, or its rows in another order)
+        if kind in ("scale", "tensor_scale", "tanh", "bias", "slice") or (kind == "view" and payload[0] == "permute"):
             root.final_from = len(root.nodes) - 1
     if tanh_seen:
         if post == 0.0 or not math.isfinite(post):
