@@ -21,8 +21,8 @@ from inductor_xent.options import LossOptions, compute_dtype
 V, D, B, T = 37, 16, 2, 7
 # the ops of an unfused site (F.one_hot is torch._C._nn.one_hot)
 SOURCE_TARGETS = {F.cross_entropy, F.nll_loss, torch._C._nn.linear, operator.matmul, torch.matmul, torch.mm,
-                  torch.einsum, torch.logsumexp, F.log_softmax, F.one_hot}
-SOURCE_METHODS = {"log_softmax", "gather", "logsumexp"}
+                  torch.einsum, torch.logsumexp, F.log_softmax, F.one_hot, F.softmax, torch.gather, torch.argmax}
+SOURCE_METHODS = {"log_softmax", "gather", "logsumexp", "softmax", "argmax"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,8 +356,8 @@ def printout(gm) -> str:
 
 
 def fused_ops(graph_targets) -> int:
-    """How many fused ops (either strategy's) a recorded graph holds."""
-    return sum(t is ops.FORWARD or t is ops.STORE for t in graph_targets)
+    """How many fused ops (either strategy's, or the log-probs op) a recorded graph holds."""
+    return sum(t in (ops.FORWARD, ops.STORE, ops.LOGPROB_FORWARD) for t in graph_targets)
 
 
 def sources(graph_targets) -> list:
