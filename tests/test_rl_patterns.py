@@ -28,7 +28,7 @@ from .helpers import (
     sources,
     targets,
 )
-from .rl import check_grpo, eager_log_probs, grpo_batch, grpo_loss
+from .rl import check_grpo, eager_log_probs, grpo_batch, grpo_loss, grpo_problem
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -310,13 +310,7 @@ def _grpo_step(h, w, y, old, ref, advantages, mask):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_grpo_log_probs_fused_and_exact(dtype):
     """rl.check_grpo on the eager log-probs / entropy spelling compiled with our pass."""
-    bsz, seq, d, v = 4, 19, 16, 211
-    g = torch.Generator().manual_seed(7)
-    h = torch.randn(bsz, seq, d, generator=g).to(dtype)
-    w = (torch.randn(v, d, generator=g) * (3 / d**0.5)).to(dtype)
-    y = torch.randint(0, v, (bsz, seq), generator=g)
-    batch = grpo_batch(bsz, seq, seed=8)
-    y[~batch["mask"]] = -100
+    h, w, y, batch = grpo_problem(dtype)
     kw = dict(temperature=TEMP)
     rec = Recorder()
     check_grpo(torch.compile(lambda hh, ww: eager_log_probs(hh, ww, y, **kw)[:2], backend=rec), h, w, y, kw, batch,
