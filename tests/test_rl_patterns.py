@@ -408,6 +408,12 @@ def _smoothing_and_entropy(x, W, b, y, yv):
     return F.cross_entropy(z.view(-1, V), y.view(-1), label_smoothing=0.1), -(logp.exp() * logp).sum(-1)
 
 
+def _smoothing_and_rows(x, W, b, y, yv):
+    """A smoothed loss and the plain per-row cross-entropy of the same logits: one op has one smoothing."""
+    z = F.linear(x, W).view(-1, V)
+    return F.cross_entropy(z, y.view(-1), label_smoothing=0.1), F.cross_entropy(z, y.view(-1), reduction="none")
+
+
 def _two_targets(x, W, b, y, yv):
     logp = F.linear(x, W).log_softmax(-1)
     return logp.gather(-1, yv[..., None]), -(logp.exp() * logp).sum(-1), logp.gather(-1, yv.flip(0)[..., None])
@@ -440,6 +446,7 @@ DECLINES = {
     "entropy_under_no_grad": (_entropy_no_grad, "grad mode changes", 1),
     "trl_bf16_row_loop": (_trl_bf16_loop, "a row of the logits (logits[i]", 2),
     "label_smoothing_and_entropy": (_smoothing_and_entropy, "label smoothing in a cross-entropy next to", 1),
+    "label_smoothing_and_rows": (_smoothing_and_rows, "label smoothing in a cross-entropy next to", 1),
     "two_targets": (_two_targets, "read different targets", 1),
 }
 

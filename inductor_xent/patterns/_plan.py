@@ -137,11 +137,10 @@ def _heads_reason(heads: list, chain: Logits) -> Optional[str]:
         return "heads of the same logits with different ignore_index"
     if any(ids_base(h.target) is not ids_base(with_target[0].target) for h in with_target[1:]):
         return "heads of the same logits read different targets (one op takes one class id per row)"
-    if any(h.head in ("entropy", "argmax") for h, _ in heads):
-        if any(h.label_smoothing for h in with_target):
-            return "label smoothing in a cross-entropy next to an entropy or argmax of the same logits"
-        if _dtensor.involved(chain):
-            return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
+    if len(heads) > 1 and any(h.label_smoothing for h in with_target):  # the op's rows would be smoothed for all
+        return "label smoothing in a cross-entropy next to another head of the same logits"
+    if any(h.head in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
+        return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
     return None
 
 
