@@ -120,6 +120,16 @@ def _all_three(x, W, b, y, yv):
     return lp, entropy, accuracy, torch.logsumexp(zt, -1).square()
 
 
+def _argmax_first(x, W, b, y, yv):
+    """The accuracy first in the graph, of the logits before the temperature; the targets of the
+    log-probs computed after the entropy (the op, placed before its first head, hoists them)."""
+    z = F.linear(x, W, b)
+    accuracy = (z.argmax(-1) == yv).float().mean()
+    logp = (z / TEMP).log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return accuracy, entropy, logp.gather(-1, (yv + 0).unsqueeze(-1)).squeeze(-1)
+
+
 def _sft_and_entropy(x, W, b, y, yv):
     """An SFT loss (mean, ignore_index) and the entropy of every row logged next to it: the
     ignored rows keep their entropy."""
@@ -150,6 +160,7 @@ SPELLINGS = {
     "verl_actor": (_verl_actor, "cross_entropy+entropy", LP, ()),
     "accuracy": (_accuracy, "argmax", LP, (0,)),
     "all_three_and_z_loss": (_all_three, "log_probs+entropy+argmax", LP, (2,)),
+    "argmax_first": (_argmax_first, "log_probs+entropy+argmax", LP, (0,)),
     "sft_and_entropy": (_sft_and_entropy, "cross_entropy+entropy", LP, ()),
     "softcap_temperature": (_softcap_temperature, "log_probs+entropy+argmax", LP, (2,)),
 }
