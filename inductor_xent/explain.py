@@ -1,5 +1,7 @@
-"""``inductor_xent.explain(fn, *args, **kwargs)``: which lm_head -> cross-entropy sites the backend
-would fuse in ``fn``, which it declines and why.
+"""``inductor_xent.explain(fn, *args, **kwargs)``: which lm_head -> cross-entropy sites (and
+log-probs, entropy, argmax heads) the backend would fuse in ``fn``, which it declines and why; each
+site's ``head`` names what it computes (``cross_entropy``, ``log_probs``, ``entropy``, ``argmax``,
+or several joined by ``+`` when they share one op call).
 
 It compiles ``fn`` with a recording backend (Dynamo's graphs go through our pass, then run eagerly),
 calls it once with the given arguments and returns a ``Report``. Like ``torch._dynamo.explain`` it
@@ -58,12 +60,12 @@ class Report:
                 f"{self.graph_break_count} graph break(s)")
         lines = [head]
         if self.sites:
-            cols = ("pattern", "fused", "rows x vocab x dim", "dtype", "logits MiB", "avoided MiB", "strategy",
-                    "reason")
+            cols = ("pattern", "fused", "head", "rows x vocab x dim", "dtype", "logits MiB", "avoided MiB",
+                    "strategy", "reason")
             rows = [cols]
             for s in self.sites:
                 rows.append((
-                    s.pattern, "yes" if s.fused else "no", f"{s.rows} x {s.vocab} x {s.hidden_dim}",
+                    s.pattern, "yes" if s.fused else "no", s.head, f"{s.rows} x {s.vocab} x {s.hidden_dim}",
                     s.dtype or "?", _mib(s.logits_bytes), _mib(s.bytes_avoided), _strategy_word(s), s.reason,
                 ))
             widths = [max(len(r[i]) for r in rows) for i in range(len(cols) - 1)]

@@ -21,8 +21,8 @@ from inductor_xent.options import LossOptions, compute_dtype
 V, D, B, T = 37, 16, 2, 7
 # the ops of an unfused site (F.one_hot is torch._C._nn.one_hot)
 SOURCE_TARGETS = {F.cross_entropy, F.nll_loss, torch._C._nn.linear, operator.matmul, torch.matmul, torch.mm,
-                  torch.einsum, torch.logsumexp, F.log_softmax, F.one_hot}
-SOURCE_METHODS = {"log_softmax", "gather", "logsumexp"}
+                  torch.einsum, torch.logsumexp, F.log_softmax, F.one_hot, F.softmax, torch.gather, torch.argmax}
+SOURCE_METHODS = {"log_softmax", "gather", "logsumexp", "softmax", "argmax"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,7 +287,16 @@ DECLINES = {
     # one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets
     "one_hot_broadcast": (lambda x, W, Wdv, b, y, yv, n: -(
         F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean(), "broadcast"),
+    "lse_before_permute": (lambda x, W, Wdv, b, y, yv, n: _lse_before_permute(x, W, y), "other users"),
 }
+
+
+def _lse_before_permute(x, W, y):
+    """A z-loss logsumexp of the logits before a permutation of their rows: the op's lse rows are in
+    the permuted order, so the logsumexp keeps the logits (row 0 of it: the order matters)."""
+    z = F.linear(x, W)
+    ce = F.cross_entropy(z.permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1))
+    return ce + 1e-2 * (torch.logsumexp(z, -1)[0] * torch.arange(T)).sum()
 
 
 def _scale_from_logits(x, W, y):
@@ -347,8 +356,8 @@ def printout(gm) -> str:
 
 
 def fused_ops(graph_targets) -> int:
-    """How many fused ops (either strategy's) a recorded graph holds."""
-    return sum(t is ops.FORWARD or t is ops.STORE for t in graph_targets)
+    """How many fused ops (either strategy's, or the log-probs op) a recorded graph holds."""
+    return sum(t in (ops.FORWARD, ops.STORE, ops.LOGPROB_FORWARD) for t in graph_targets)
 
 
 def sources(graph_targets) -> list:

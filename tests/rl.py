@@ -5,7 +5,7 @@ OpenRLHF spell it this way: logits in fp32, divided by the sampling temperature,
 of the sampled tokens, entropy from the same distribution); ``grpo_loss`` is a GRPO/PPO clipped
 surrogate over per-token log-probabilities, with a k3 KL penalty to a reference policy, an entropy
 bonus and a response mask; ``check_grpo`` feeds it ``linear_log_probs``'s outputs and
-``eager_log_probs``'s and compares the loss and the gradients.
+``eager_log_probs``'s and compares the loss and the gradients; ``grpo_problem`` makes its inputs.
 """
 
 from __future__ import annotations
@@ -106,3 +106,15 @@ def grpo_batch(batch: int, seq: int, *, seed: int = 0, device="cpu") -> dict:
         ref_offset=(torch.randn(batch, seq, generator=g) * 0.2).to(device),
         mask=mask.to(device),
     )
+
+
+def grpo_problem(dtype, *, bsz: int = 4, seq: int = 19, d: int = 16, v: int = 211, seed: int = 7) -> tuple:
+    """(hidden, weight, target, batch) of a GRPO step on ``bsz`` sequences of ``seq`` tokens: logits
+    with std ~3, ``grpo_batch``'s rollout data, targets ignored (-100) where the mask is off."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(bsz, seq, d, generator=g).to(dtype)
+    w = (torch.randn(v, d, generator=g) * (3 / d**0.5)).to(dtype)
+    y = torch.randint(0, v, (bsz, seq), generator=g)
+    batch = grpo_batch(bsz, seq, seed=seed + 1)
+    y[~batch["mask"]] = -100  # prompt and padding: no target
+    return h, w, y, batch

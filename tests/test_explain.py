@@ -68,8 +68,8 @@ def test_table_layout():
     report = inductor_xent.explain(fn, **make_inputs())
     lines = str(report).splitlines()
     assert lines[0].startswith("inductor_xent.explain: 2 site(s), 1 fused, 1 declined; 1 graph(s), 0 graph break(s)")
-    assert lines[1].split()[:3] == ["pattern", "fused", "rows"]
-    assert [line.split()[1] for line in lines[2:4]] == ["yes", "no"]
+    assert lines[1].split()[:4] == ["pattern", "fused", "head", "rows"]
+    assert [line.split()[1:3] for line in lines[2:4]] == [["yes", "cross_entropy"], ["no", "cross_entropy"]]
 
 
 def test_no_site():

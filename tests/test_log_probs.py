@@ -15,7 +15,7 @@ from inductor_xent import config, fallback, reference
 from inductor_xent.options import LossOptions
 
 from .helpers import assert_within_torch_error
-from .rl import check_grpo, eager_log_probs, grpo_batch, grpo_loss
+from .rl import check_grpo, eager_log_probs, grpo_batch, grpo_loss, grpo_problem
 from .test_fallback import _LargestTensor
 
 
@@ -158,13 +158,7 @@ def test_lse_output_gradient(small_chunks):
 def test_grpo_loss_matches_eager(dtype, temperature, softcap):
     """The clipped surrogate with a KL penalty, an entropy bonus and a response mask, on
     [batch, seq] tokens: loss and gradients against float64, within a multiple of eager's error."""
-    bsz, seq, d, v = 4, 19, 16, 211
-    g = torch.Generator().manual_seed(7)
-    h = torch.randn(bsz, seq, d, generator=g).to(dtype)
-    w = (torch.randn(v, d, generator=g) * (3 / d**0.5)).to(dtype)
-    y = torch.randint(0, v, (bsz, seq), generator=g)
-    batch = grpo_batch(bsz, seq, seed=8)
-    y[~batch["mask"]] = -100  # prompt and padding: no target
+    h, w, y, batch = grpo_problem(dtype)
     batch["mask"][1, 5] = False  # a token with a target that only the mask drops: no gradient either
     kw = dict(temperature=temperature, softcap=softcap)
     check_grpo(lambda hh, ww: inductor_xent.linear_log_probs(hh, ww, y, entropy=True, **kw)[:2], h, w, y, kw, batch,

@@ -1,7 +1,9 @@
-"""The pass: find lm_head matmul -> cross-entropy sites in a Dynamo graph and call our op instead.
+"""The pass: find lm_head matmul -> cross-entropy (log-probs, entropy, argmax) sites in a Dynamo
+graph and call our op instead.
 
-``run(gm)`` hands each idiom the nodes that call one of its ``TARGETS``, then traces, plans,
-rewrites or declines each site it finds (README.md draws the stages); when unsure, it declines.
+``run(gm)`` hands each idiom the nodes that call one of its ``TARGETS``, then traces, finds the
+other heads over the same logits, plans, rewrites or declines each site it finds (README.md draws
+the stages); when unsure, it declines.
 Every site bumps ``torch._dynamo.utils.counters["inductor_xent"]`` (``sites_fused`` /
 ``sites_declined``, ``fused.<pattern>`` / ``declined.<pattern>``), is logged on
 ``logging.getLogger(__name__)`` and is returned as a ``Site`` (what ``inductor_xent.explain``
@@ -17,15 +19,30 @@ from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
 from .. import config
-from . import _logits, _plan, _report, _rewrite, lm_head_cross_entropy, log_softmax_nll, logsumexp_minus_gather, one_hot
+from . import (
+    _logits,
+    _plan,
+    _report,
+    _rewrite,
+    argmax,
+    entropy,
+    lm_head_cross_entropy,
+    log_softmax_nll,
+    logsumexp_minus_gather,
+    one_hot,
+)
 from ._fx import arg
 from ._plan import Plan
 from ._report import ESCAPE_HINT, Site
-from ._site import Decline
+from ._site import HEADS, Decline, LossSite
 
 log = logging.getLogger(__name__)
 
-IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gather)
+IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gather, entropy, argmax)
+# Other heads over the same logits are looked for among their users this many levels deep:
+# Categorical's entropy is logits -> sub -> clamp -> mul -> sum, TRL's stacked logsumexp
+# logits -> getitem -> logsumexp -> stack -> sub.
+HEAD_DEPTH = 6
 
 
 def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optional[str] = None,
@@ -37,17 +54,20 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     autocast = _plan.autocast_reason(gm)
     sites: list[Site] = []
     erased: set = set()
-    for node, idioms in _candidates(gm.graph):
-        if node in erased:
+    reported: set = set()  # heads already in another head's site
+    candidates = _candidates(gm.graph)
+    for node, idioms in candidates.items():
+        if node in erased or node in reported:
             continue
         try:  # analysis is pure: a bug here declines the site instead of failing the user's compile
-            analysed = _analyse(gm, node, idioms, allow_escaping_logits, autocast)
+            analysed = _analyse(gm, node, idioms, candidates, allow_escaping_logits, autocast)
         except Exception as e:  # noqa: BLE001
             log.warning("inductor_xent: internal error analysing %s; site left alone", node.name, exc_info=True)
-            analysed = Site("unknown", False, f"internal error in the pass (please report): {e!r}", node.name), None
+            analysed = Site("unknown", False, f"internal error in the pass (please report): {e!r}", node.name), None, []
         if analysed is None:
             continue
-        site, outcome = analysed
+        site, outcome, heads = analysed
+        reported.update(h.loss for h in heads)
         if isinstance(outcome, Plan):  # rewrite (not guarded: a failure half way must not be swallowed)
             how = _plan.gradients(outcome, strategy, store_budget)
             _report.fused(site, outcome, how, _rewrite.rewrite(gm, outcome, how, erased))
@@ -55,7 +75,7 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
         kind = "fused" if site.fused else "declined"
         counters["inductor_xent"][f"sites_{kind}"] += 1
         counters["inductor_xent"][f"{kind}.{site.pattern}"] += 1
-        log.info("inductor_xent: %s %s site at %s: %s", kind, site.pattern, site.node, site.reason)
+        log.info("inductor_xent: %s %s site (%s) at %s: %s", kind, site.pattern, site.head, site.node, site.reason)
     if any(s.fused for s in sites):
         gm.graph.lint()
         gm.recompile()
@@ -64,7 +84,7 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     return sites
 
 
-def _candidates(graph) -> list[tuple[Node, list]]:
+def _candidates(graph) -> dict[Node, list]:
     """The nodes calling some idiom's targets, in graph order, each with those idioms in IDIOMS order."""
     found: dict[Node, list] = {}
     for idiom in IDIOMS:
@@ -72,13 +92,18 @@ def _candidates(graph) -> list[tuple[Node, list]]:
             op = "call_method" if isinstance(target, str) else "call_function"  # a string names a method
             for node in graph.find_nodes(op=op, target=target, sort=False):
                 found.setdefault(node, []).append(idiom)
-    return sorted(found.items())
+    return dict(sorted(found.items()))
 
 
-def _analyse(gm, node: Node, idioms: list, allow_escaping: bool,
-             autocast: Optional[str]) -> Optional[tuple[Site, Union[Plan, Decline]]]:
-    """(its Site, a Plan or a Decline) for a candidate site at ``node``; None when it is none."""
-    found = next((f for f in (idiom.match(node) for idiom in idioms) if f is not None), None)
+def _match(node: Node, idioms: list) -> Union[LossSite, Decline, None]:
+    return next((f for f in (idiom.match(node) for idiom in idioms) if f is not None), None)
+
+
+def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: bool,
+             autocast: Optional[str]) -> Optional[tuple[Site, Union[Plan, Decline], list]]:
+    """(its Site, a Plan or a Decline, the heads it covers) for a candidate site at ``node``; None
+    when it is none."""
+    found = _match(node, idioms)
     if found is None:
         return None
     declined = isinstance(found, Decline)
@@ -87,18 +112,42 @@ def _analyse(gm, node: Node, idioms: list, allow_escaping: bool,
     if chain is None:  # not over lm_head logits at all: not a candidate
         log.debug("inductor_xent: %s at %s is not over lm_head logits", found.pattern, node.name)
         return None
-    site = Site(found.pattern, False, "", node.name)
+    site = Site(found.pattern, False, "", node.name, head=found.head)
+    heads = [] if declined else [found]
     if isinstance(chain, _logits.Logits):
         _report.describe(site, chain)
     if declined or isinstance(chain, Decline):  # the idiom's own reason first, whatever the walk found
         outcome = found if declined else chain
     else:
-        outcome = _plan.plan(gm, found, chain, allow_escaping, autocast)
+        pairs = [(found, chain), *_other_heads(found, chain, candidates)]
+        heads = [h for h, _ in pairs]
+        site.head = "+".join(k for k in HEADS if any(h.head == k for h in heads))
+        outcome = _plan.plan(gm, pairs, allow_escaping, autocast)
     if isinstance(outcome, Decline):
         site.reason, site.logits_escape, site.logits_input = outcome.reason, outcome.logits_escape, outcome.logits_input
     else:
         site.logits_escape = outcome.escapes_to_output
-    return site, outcome
+    return site, outcome, heads
+
+
+def _other_heads(found: LossSite, chain: _logits.Logits, candidates: dict) -> list:
+    """(LossSite, Logits) of the other heads over the same lm_head matmul: candidates among the users
+    of its logits (and of what ``found`` derives from them), HEAD_DEPTH levels deep, that an idiom
+    matches and whose logits walk back to that matmul (the plan checks they are the same logits)."""
+    heads, seen, frontier = [], {found.loss}, [*chain.nodes, *found.consumed]
+    for _ in range(HEAD_DEPTH):
+        users = []
+        for u in (u for n in frontier for u in n.users):
+            if u not in seen:
+                seen.add(u)
+                users.append(u)
+        for u in users:
+            other = _match(u, candidates[u]) if u in candidates else None
+            walk = _logits.trace(other.logits) if isinstance(other, LossSite) else None
+            if isinstance(walk, _logits.Logits) and walk.matmul is chain.matmul:
+                heads.append((other, walk))
+        frontier = users
+    return heads
 
 
 __all__ = ["ESCAPE_HINT", "IDIOMS", "Site", "run"]

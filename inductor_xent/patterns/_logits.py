@@ -82,7 +82,9 @@ class Logits:
     # ``nodes`` of the node they produce, op); ``replay`` applies them to the hidden states
     shape_ops: list = field(default_factory=list)
     nodes: list = field(default_factory=list)  # matmul ... logits, in graph order
-    final_from: int = 0  # nodes[final_from:] hold the final logit values (for the lse mapping)
+    # nodes[final_from:] hold the final logit values with the rows in their final order, up to casts
+    # and reshapes (for the lse mapping and heads of the same logits)
+    final_from: int = 0
 
     @property
     def sliced(self) -> bool:
@@ -101,6 +103,21 @@ class Logits:
         tb = tval(self.bias) if self.bias is not None else None
         return (bool(grad and tval(self.hidden).requires_grad), bool(grad and tval(self.weight).requires_grad),
                 bool(grad and tb is not None and tb.requires_grad))
+
+
+def same_logits(a: Logits, b: Logits, *, monotone: bool = False) -> bool:
+    """True when ``a`` and ``b`` (walks from two heads) are the same logits, rows in the same order:
+    one matmul, and nodes shared up to where both are final. ``monotone`` (an argmax) also accepts
+    logits that differ by a scale of the same sign or a softcap (their rows' argmax is the same, up
+    to rounding), e.g. ``logits.argmax(-1)`` next to ``(logits / T).log_softmax(-1)``."""
+    if a.matmul is not b.matmul:
+        return False
+    k = next((i for i, (x, y) in enumerate(zip(a.nodes, b.nodes)) if x is not y), min(len(a.nodes), len(b.nodes)))
+    if k > a.final_from and k > b.final_from:
+        return True
+    reorders = any(i >= k and op[0] in ("slice", "permute") for c in (a, b) for i, op in c.shape_ops)
+    return (monotone and not reorders and a.bias is b.bias and a.weight_scale is b.weight_scale
+            and (a.logit_scale > 0) == (b.logit_scale > 0))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -279,7 +296,7 @@ def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
     return node.args[1], node.args[2], w == v + c
 
 
-def _is_matmul(node: Any) -> bool:
+def is_matmul(node: Any) -> bool:
     return is_call(node, LINEAR + MATMUL) or _einsum_weight(node) is not None
 
 
@@ -318,7 +335,7 @@ def trace(logits: Node) -> Union[Logits, Decline, None]:
     steps: list[tuple[str, Node, Any, Node]] = []
     node = logits
     for _ in range(MAX_STEPS):
-        if _is_matmul(node):
+        if is_matmul(node):
             break
         step = _step(node) if isinstance(node, Node) else None
         if step is None:
@@ -351,14 +368,27 @@ def _stopped(node: Any, steps: list) -> Optional[Decline]:
         if not isinstance(first, Node):
             return None
         cur = first
-        if _is_matmul(cur):
+        if is_matmul(cur):
             desc = node.target if node.op == "call_method" else getattr(node.target, "__name__", node.target)
-            what = (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
-                    "heads; compute each head's loss from its own matmul to fuse)"
-                    if node.target is operator.getitem else "")
-            reason = f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name}){what}"
-            return Decline(None, node, reason)
+            reason = f"unsupported op between the lm_head matmul and the loss: {node.op} {desc} ({node.name})"
+            return Decline(None, node, reason + _unsupported_hint(node))
     return None
+
+
+def _unsupported_hint(node: Node) -> str:
+    """What to change, for the unsupported ops RL code writes."""
+    if node.target is operator.getitem:
+        index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+        if index and isinstance(index[0], int):
+            return (": a row of the logits (logits[i], e.g. a Python loop over the batch such as TRL's "
+                    "selective_log_softmax for bf16 logits): each row's head reads its own slice of one logits "
+                    "tensor; write it batched (logits.log_softmax(-1).gather(-1, ids[..., None])) to fuse")
+        return (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
+                "heads; compute each head's loss from its own matmul to fuse)")
+    if STEPS.get(node.target) is _div and isinstance(arg(node, 1, "other"), Node):
+        return (": the logits are divided by a tensor or a symbolic number (e.g. a temperature given as a "
+                "tensor, or a Python float Dynamo made dynamic); only a Python number folds into the op's scale")
+    return ""
 
 
 def _is_linear_module(node: Node) -> bool:
@@ -402,7 +432,9 @@ def _fold(root: Logits, steps: list) -> Optional[str]:
             root.bias = payload
         elif kind in ("slice", "view"):
             root.shape_ops.append((len(root.nodes) - 1, payload))
-        if kind in ("scale", "tensor_scale", "tanh", "bias", "slice"):
+        # from here on the values are final, and rows keep their order (a head or logsumexp reading
+        # an earlier node would see other values, or its rows in another order)
+        if kind in ("scale", "tensor_scale", "tanh", "bias", "slice") or (kind == "view" and payload[0] == "permute"):
             root.final_from = len(root.nodes) - 1
     if tanh_seen:
         if post == 0.0 or not math.isfinite(post):

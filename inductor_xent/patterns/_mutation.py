@@ -101,40 +101,45 @@ def swaps_storage(node: Node) -> bool:
     return _name(node) in ("set_", "swap_tensors")
 
 
-def written_between(gm, order: dict, site, chain, lse_users, hoisted) -> Optional[str]:
-    """A reason when a write could change what the rewrite computes.
+def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users, hoisted) -> Optional[str]:
+    """A reason when a write could change what the rewrite of ``heads`` (LossSites over ``chain``;
+    ``logits``: every node holding the logits or what the heads derive from them) computes.
 
-    The op reads the hidden states, weight, bias and targets where it is placed (before the loss
-    and the logsumexps it replaces); eager read them at the matmul and at the idiom's own nodes
+    The op reads the hidden states, weight, bias and targets where it is placed (before the heads
+    and the logsumexps it replaces); eager read them at the matmul and at the idioms' own nodes
     (``one_hot(y)``, a gather). So no node from the first of those reads to the last node replaced
     may write a tensor sharing storage with any of them, with the logits the replaced nodes read,
     or with the inputs of a target computation hoisted up to the op; and no replaced node may
-    write anything (the write would vanish). When the loss requires grad, no later node may write
+    write anything (the write would vanish). When a head requires grad, no later node may write
     the hidden states, weight, bias or targets either: the op saves all four for its backward,
     which would then fail where eager's (saving only what each gradient needs) may not. Which op
     writes what comes from its schema (``writes``), storages from the example values (a
     view shares its base's); an unknown storage declines.
     """
+    targets = [h.target for h in heads if h.target is not None]
+    losses = [h.loss for h in heads]
+    aux = [n for h in heads for n in h.aux]
     reads = {chain.hidden: "the hidden states", chain.weight: "the weight", chain.bias: "the bias",
-             site.target: "the targets"}
-    for n in (*chain.nodes, *site.consumed):
+             **dict.fromkeys(targets, "the targets")}
+    for n in logits:
         reads.setdefault(n, "the logits")
     # one_hot(y) and its casts; target computations moved up, and what they are computed from
-    for n in (*site.aux, *hoisted, *(m for h in hoisted for m in h.all_input_nodes)):
+    for n in (*aux, *hoisted, *(m for h in hoisted for m in h.all_input_nodes)):
         reads.setdefault(n, "the targets")
     reads.pop(None, None)
-    replaced = {site.loss, *lse_users, *chain.nodes, *site.consumed, *site.aux}
-    lo = min(order[n] for n in (chain.matmul, *site.consumed, *site.aux))
-    hi = max(order[n] for n in (site.loss, *lse_users, *hoisted))
+    replaced = {*losses, *lse_users, *logits, *aux}
+    lo = min(order[n] for n in (chain.matmul, *logits, *aux))
+    hi = max(order[n] for n in (*losses, *lse_users, *hoisted))
     # eager reads the targets at the loss (or at the idiom's own one_hot / gather), the op where it is
     # placed: a write to them before both is seen by both (ProphetNet builds its targets in place,
     # new_zeros().fill_() then slices set, after its lm_head)
-    anchor = min(order[n] for n in (site.loss, *lse_users))
-    target_from = min([anchor] + [order[n] for n in (*site.aux, *hoisted)])
-    start = {r: (target_from if what == "the targets" and r is site.target else lo) for r, what in reads.items()}
+    anchor = min(order[n] for n in (*losses, *lse_users))
+    target_from = min([anchor] + [order[n] for n in (*aux, *hoisted)])
+    start = {r: (target_from if what == "the targets" and r in targets else lo) for r, what in reads.items()}
     # the op saves hidden/weight/bias/targets for its backward (whatever requires grad), where eager's
     # linear saves only what the other operand's gradient needs: a later write would fail backward
-    saved = [chain.hidden, chain.weight, chain.bias, site.target] if tval(site.loss).requires_grad else []
+    grad = any(tval(n).requires_grad for n in losses)
+    saved = [chain.hidden, chain.weight, chain.bias, *targets] if grad else []
     storages = [(_storage(r), what, start[r]) for r, what in reads.items()]
     saved_storages = [(_storage(r), reads[r], 0) for r in saved if r is not None]
     swapped = next((n for n in gm.graph.nodes if swaps_storage(n)), None)

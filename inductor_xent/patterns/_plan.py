@@ -1,5 +1,6 @@
-"""Whether a site found by an idiom can be rewritten, and how: a ``Plan``, or a ``Decline`` with
-the reason. What an idiom cannot see from its own node is checked here: dtypes and devices, the
+"""Whether the heads found over one lm_head's logits can be rewritten, and how: a ``Plan``, or a
+``Decline`` with the reason. What an idiom cannot see from its own node is checked here: that the
+heads read the same logits and targets (then one op call serves them all), dtypes and devices, the
 rows of the targets, the other users of the logits (a z-loss ``logsumexp`` is mapped onto the op's
 lse; anything else keeps the logits alive), writes in between (``_mutation.written_between``),
 grad-mode changes and autocast. Then ``gradients`` picks the site's strategy (strategy.py).
@@ -16,10 +17,10 @@ from torch.fx import Node
 
 from .. import strategy
 from ..options import FLOAT_DTYPES
-from . import _dtensor, _mutation
+from . import _dtensor, _logits, _mutation
 from ._fx import hint, numel_hint, same, tval
 from ._logits import Logits
-from ._site import Decline, LossSite, lse_of
+from ._site import NO_IGNORE, Decline, LossSite, ids_base, lse_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"
@@ -30,48 +31,63 @@ MAX_HOISTED = 32
 
 @dataclass
 class Plan:
-    """How to rewrite one site: the op goes right before ``anchor`` (the loss, or the first
-    logsumexp it replaces), after ``hoist``."""
+    """How to rewrite the heads over one lm_head's logits: one op, placed right before ``anchor``
+    (the first node it replaces), after ``hoist``."""
 
-    site: LossSite
-    logits: Logits
+    heads: list  # (LossSite, Logits) of every head over these logits, the driver's first
+    logits: Logits  # the op's rows and values: the walk of the first head that is not an argmax
     anchor: Node
     hoist: list  # target computations that came after the anchor, in graph order
-    lse_users: dict  # logsumexp of the same logits -> its keepdim: each reads the op's lse instead
+    lse_users: dict  # logsumexp of the same logits -> (the walk, position of the node it reads, keepdim)
     escapes: list  # other users of the logits: they keep them (allow_escaping_logits)
+    owned: list  # what the rewrite erases once dead: the heads, their walks, the rows of a stacked logsumexp
+
+    @property
+    def site(self) -> LossSite:
+        return self.heads[0][0]
+
+    @property
+    def log_probs_op(self) -> bool:
+        """Entropy and argmax come from the log-probs op (the cross-entropy op has neither)."""
+        return any(h.head in ("entropy", "argmax") for h, _ in self.heads)
+
+    @property
+    def target(self) -> Optional[Node]:
+        """The op's class ids (every head with a target reads the same ones)."""
+        h = _with_target(self.heads)
+        return None if h is None else h.target
+
+    @property
+    def ignore_index(self) -> int:
+        h = _with_target(self.heads)
+        return NO_IGNORE if h is None else h.ignore_index
 
     @property
     def escapes_to_output(self) -> bool:
         return any(u.op == "output" for u in self.escapes)
 
 
-def plan(gm, site: LossSite, chain: Logits, allow_escaping: bool, autocast: Optional[str]) -> Union[Plan, Decline]:
-    """The rewrite of ``site`` over ``chain``, or why there is none."""
-    reason = autocast or _inputs_reason(site, chain)
+def plan(gm, heads: list, allow_escaping: bool, autocast: Optional[str]) -> Union[Plan, Decline]:
+    """The rewrite of ``heads`` ((LossSite, Logits) pairs over one matmul, the driver's first), or
+    why there is none."""
+    site = heads[0][0]
+    chain = next((c for h, c in heads if h.head != "argmax"), heads[0][1])
+    reason = autocast or _heads_reason(heads, chain) or _inputs_reason(heads, chain)
     if reason:
         return Decline(None, site.loss, reason)
-    owned = {*chain.nodes, *site.consumed, site.loss}
-    lse_users: dict = {}
-    escapes: list = []
-    for i, c in enumerate(chain.nodes):
-        for u in c.users:
-            if u in owned:
-                continue
-            m = lse_of(u)
-            if m is not None and m[0] is c and i >= chain.final_from:
-                lse_users[u] = m[1]
-            else:
-                escapes.append(u)
-    for c in site.consumed:
-        escapes.extend(u for u in c.users if u not in owned)
-    if any(n not in lse_users for n in site.needs_lse_of):
-        return Decline(None, site.loss, "the logsumexp does not read the same logits as the gather")
+    read = dict.fromkeys(n for h, c in heads for n in (*c.nodes, *h.consumed))  # the logits and what heads derive
+    owned = {**read, **dict.fromkeys(n for h, _ in heads for n in (h.loss, *h.aux))}
+    lse_users = _logsumexps(heads, chain, read, owned)
+    escapes = list(dict.fromkeys(u for n in read for u in n.users if u not in owned and u not in lse_users))
+    if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
+        return Decline(None, site.loss, "a logsumexp the head subtracts does not read the same logits as the rest")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    anchor = min([site.loss, *lse_users], key=order.__getitem__)
-    inputs = [chain.hidden, chain.weight, chain.bias, site.target, site.shape_ref]
+    anchor = min([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
+    target = _with_target(heads) and _with_target(heads).target
+    inputs = [chain.hidden, chain.weight, chain.bias, target, *(h.shape_ref for h, _ in heads)]
     hoist = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
     # before the escape check: with allow_escaping_logits a write would still be fused wrongly
-    reason = _mutation.written_between(gm, order, site, chain, lse_users, hoist or ())
+    reason = _mutation.written_between(gm, order, [h for h, _ in heads], chain, list(read), lse_users, hoist or ())
     if not reason and escapes and not allow_escaping:
         if any(u.op == "output" for u in escapes):
             return Decline(None, site.loss, ESCAPE_REASON, logits_escape=True)
@@ -79,30 +95,75 @@ def plan(gm, site: LossSite, chain: Logits, allow_escaping: bool, autocast: Opti
         reason = f"the logits have other users ({names}); options={{'xent.allow_escaping_logits': True}} fuses anyway"
     if not reason and hoist is None:
         reason = "the targets are computed after a logsumexp of the logits"
-    reason = reason or _grad_mode_between(gm, order, chain, anchor)
+    last = max([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
+    reason = reason or _grad_mode_between(gm, order, chain, last)
     if reason:
         return Decline(None, site.loss, reason)
-    return Plan(site, chain, anchor, hoist, lse_users, escapes)
+    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned))
 
 
-def _inputs_reason(site: LossSite, chain: Logits) -> Optional[str]:
+def _with_target(heads: list) -> Optional[LossSite]:
+    return next((h for h, _ in heads if h.target is not None), None)
+
+
+def _logsumexps(heads: list, chain: Logits, read: dict, owned: dict) -> dict:
+    """The logsumexps of the final logits that read the op's lse instead: the heads' own (first: a
+    stacked one's rows join ``read`` and ``owned``) and the other users' (a z-loss). One that only
+    the replaced heads read joins ``owned`` instead (erased with them)."""
+    values = [c for _, c in heads if _logits.same_logits(c, chain)]
+    lse_users: dict = {}
+    for u in dict.fromkeys([*(n for h, _ in heads for n in h.needs_lse_of),
+                            *(u for c in values for n in c.nodes for u in n.users)]):
+        m = lse_of(u) if u not in owned else None
+        at = m and next(((c, c.nodes.index(m[0])) for c in values if m[0] in c.nodes[c.final_from:]), None)
+        if not at:
+            continue
+        read.update(dict.fromkeys(m[2]))
+        owned.update(dict.fromkeys(m[2]))
+        if all(w in owned for w in u.users):
+            read[u] = owned[u] = None
+        else:
+            lse_users[u] = (*at, m[1])
+    return lse_users
+
+
+def _heads_reason(heads: list, chain: Logits) -> Optional[str]:
+    """Why these heads cannot share one op call, or None."""
+    if any(not _logits.same_logits(chain, c, monotone=h.head == "argmax") for h, c in heads):
+        return ("heads of one lm_head read different logits (another scale or temperature, softcap or rows): "
+                "one op computes one set; compute every head from the same logits tensor to fuse")
+    with_target = [h for h, _ in heads if h.target is not None]
+    if len({h.ignore_index for h in with_target}) > 1:
+        return "heads of the same logits with different ignore_index"
+    if any(ids_base(h.target) is not ids_base(with_target[0].target) for h in with_target[1:]):
+        return "heads of the same logits read different targets (one op takes one class id per row)"
+    if len(heads) > 1 and any(h.label_smoothing for h in with_target):  # the op's rows would be smoothed for all
+        return "label smoothing in a cross-entropy next to another head of the same logits"
+    if any(h.head in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
+        return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
+    return None
+
+
+def _inputs_reason(heads: list, chain: Logits) -> Optional[str]:
     """Why the op cannot take these inputs (dtypes, devices, DTensor layouts, rows), or None."""
-    tx, tw, tt = tval(chain.hidden), tval(chain.weight), tval(site.target)
+    tx, tw = tval(chain.hidden), tval(chain.weight)
     tb = tval(chain.bias) if chain.bias is not None else None
+    with_target = [h for h, _ in heads if h.target is not None]
     if tx.dtype not in FLOAT_DTYPES:
         return f"unsupported hidden dtype {tx.dtype}"
     if tw.dtype != tx.dtype or (tb is not None and tb.dtype != tx.dtype):
         return f"mixed dtypes: hidden {tx.dtype}, weight {tw.dtype}, bias {None if tb is None else tb.dtype}"
-    devices = {t.device for t in (tx, tw, tt, tb) if t is not None}
+    devices = {t.device for t in (tx, tw, tb, *(tval(h.target) for h in with_target)) if t is not None}
     if len(devices) != 1 or next(iter(devices)).type not in SUPPORTED_DEVICES:
         return f"unsupported device(s) {sorted(map(str, devices))}"
-    dtensor = _dtensor.decline_reason(site, chain)  # tensor parallelism: a layout we can run?
+    dtensor = with_target and _dtensor.decline_reason(with_target[0], chain)  # tensor parallelism: a layout we can run?
     if dtensor:
         return dtensor
-    tz = tval(site.logits)
-    if not same(tt.numel(), math.prod(tz.shape[:-1])):
-        return f"the targets {tuple(tt.shape)} do not give one class id per row of the logits {tuple(tz.shape)}"
-    if tval(site.loss).dtype == torch.float64 and tx.dtype != torch.float64:
+    for h in with_target:
+        tt, tz = tval(h.target), tval(h.logits)
+        if not same(tt.numel(), math.prod(tz.shape[:-1])):
+            return f"the targets {tuple(tt.shape)} do not give one class id per row of the logits {tuple(tz.shape)}"
+    if any(tval(h.loss).dtype == torch.float64 for h, _ in heads) and tx.dtype != torch.float64:
         return "float64 loss of lower-precision logits: the op would compute in float32"
     return None
 
@@ -123,11 +184,12 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
     return sorted(late, key=order.__getitem__)
 
 
-def _grad_mode_between(gm, order: dict, chain: Logits, anchor: Node) -> Optional[str]:
-    """A reason when moving the matmul's work down to ``anchor`` could change what it computes:
-    a grad-mode change (``with torch.no_grad():`` around the lm_head only) in between."""
+def _grad_mode_between(gm, order: dict, chain: Logits, last: Node) -> Optional[str]:
+    """A reason when moving the matmul's work to the op, placed before the first node it replaces,
+    could change what it computes: a grad-mode change (``with torch.no_grad():`` around the lm_head
+    only, or around one of its heads or logsumexps) between the matmul and ``last`` of those."""
     changes = gm.graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled, sort=False)
-    if any(order[chain.matmul] < order[n] < order[anchor] for n in changes):
+    if any(order[chain.matmul] < order[n] < order[last] for n in changes):
         return "the grad mode changes between the lm_head matmul and the loss"
     return None
 
@@ -147,13 +209,16 @@ def gradients(p: Plan, which: Optional[str], budget) -> strategy.Plan:
     """How the rewritten site computes its gradients (strategy.plan, from the example values' sizes
     as hints and their requires_grad: which gradients the graph will ask for)."""
     site, chain = p.site, p.logits
+    if p.log_probs_op:
+        return strategy.Plan("recompute", reason="the log-probs op (entropy, argmax) recomputes")
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
         return strategy.Plan("recompute", reason="no vocabulary-parallel store kernel")
     tx, tw = tval(chain.hidden), tval(chain.weight)
     v, d = chain.vd
     n = numel_hint(tx)
     n = None if n is None else n // max(1, hint(d) or 1)
+    reduced = len(p.heads) == 1 and site.head == "cross_entropy"  # store gives one reduced loss
     return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, tx.dtype, tw.dtype,
-                         reduction="none" if site.negate else site.reduction, needs=chain.needs,
+                         reduction=site.reduction if reduced else "none", needs=chain.needs,
                          label_smoothing=site.label_smoothing, softcap=chain.softcap,
                          lse_used=bool(p.lse_users), strategy=which, budget=budget)

@@ -30,6 +30,7 @@ class Site:
     fused: bool
     reason: str
     node: str  # the loss node's name in the Dynamo graph
+    head: str = "cross_entropy"  # what the site computes (LossSite.head), its heads joined by "+"
     rows: Optional[str] = None  # N, the number of rows (symbolic when dynamic)
     vocab: Optional[int] = None  # V
     hidden_dim: Optional[int] = None  # D
@@ -56,9 +57,12 @@ def describe(site: Site, chain: Logits) -> None:
 def fused(site: Site, plan: Plan, how: strategy.Plan, bytes_avoided: int) -> None:
     """Mark ``site`` fused, saying what the op took over."""
     loss, chain = plan.site, plan.logits
+    ce = next((h for h, _ in plan.heads if h.head == "cross_entropy"), None)
     parts = (
-        f"reduction={loss.reduction}",
-        loss.ignore_index != NO_IGNORE and f"ignore_index={loss.ignore_index}",
+        len(plan.heads) > 1 and f"{len(plan.heads)} heads in one op call",
+        plan.log_probs_op and "log-probs op",
+        ce is not None and f"reduction={ce.reduction}",
+        plan.ignore_index != NO_IGNORE and f"ignore_index={plan.ignore_index}",
         loss.label_smoothing and f"label_smoothing={loss.label_smoothing}",
         chain.bias is not None and "bias",
         chain.logit_scale != 1.0 and f"logit_scale={chain.logit_scale:g}",

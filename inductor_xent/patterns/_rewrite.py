@@ -1,23 +1,30 @@
-"""Rewrite one planned site: the fused op, the reduction the user asked for, the logsumexps mapped
-onto the op's lse; then erase what became dead and count the [N, V] buffers no longer computed."""
+"""Rewrite one planned site: one fused op call for all its heads (the cross-entropy op, or the
+log-probs op when an entropy or argmax is among them), each head's value from the op's outputs
+(the reduction the user asked for, per-row values shaped as the head's), the logsumexps mapped onto
+the op's lse; then erase what became dead and count the [N, V] buffers no longer computed."""
 
 from __future__ import annotations
 
+import functools
 import operator
 
+import torch
 from torch.fx import Node
 
 from .. import ops, strategy
 from . import _dtensor, _logits
-from ._fx import Emitter, arg, numel_hint, tval
+from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import Plan
+from ._site import NO_IGNORE
+
+NEG = (operator.neg, torch.neg, "neg")
 
 # ops whose result aliases (or may alias) their input: no new [N, V] buffer
 _VIEWS = ("view", "reshape", "flatten", "contiguous", "transpose", "t", "permute", "squeeze", "unsqueeze")
 
 
 def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
-    """Replace ``plan``'s site in ``gm``; the bytes of [N, V]-sized buffers it no longer computes.
+    """Replace ``plan``'s heads in ``gm``; the bytes of [N, V]-sized buffers it no longer computes.
     Nodes erased are added to ``erased``."""
     site, chain, graph = plan.site, plan.logits, gm.graph
     for n in plan.hoist:  # e.g. targets computed after a z-loss logsumexp: move them up
@@ -34,53 +41,93 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
         weight = _logits.scaled_weight(graph, chain)
     else:
         weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
-    target1d = site.target if tval(site.target).dim() == 1 else e.method("reshape", site.target, -1)
-    options = (int(site.ignore_index), float(site.label_smoothing), float(chain.logit_scale),
-               None if chain.softcap is None else float(chain.softcap), 0.0)
+    target, ii = plan.target, int(plan.ignore_index)
+    target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
+    scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
+    folded: list = []  # negations of a head that the op's output replaces instead
     if how.strategy == "store":  # the reduced loss; its gradients are computed in the same op
-        out = e.call(ops.STORE, hidden2d, weight, chain.bias, target1d, *options, site.reduction, 0, how.budget,
-                     *chain.needs)
+        out = e.call(ops.STORE, hidden2d, weight, chain.bias, target1d, ii, float(site.label_smoothing), scale, cap,
+                     0.0, site.reduction, 0, how.budget, *chain.needs)
         site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
-        return _erase_dead(gm, plan, erased)
-    out = e.call(ops.FORWARD, hidden2d, weight, chain.bias, target1d, *options)
-    rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
-
-    # the loss
-    if site.reduction == "mean":
-        count = e.method("sum", e.call(operator.ne, target1d, int(site.ignore_index)))
-        loss = e.call(operator.truediv, e.method("sum", rows), count)
-    elif site.reduction == "sum":
-        loss = e.method("sum", rows)
+        return _erase_dead(gm, plan, erased, folded)
+    if plan.log_probs_op:
+        kinds = {h.head for h, _ in plan.heads}
+        if target1d is None:  # entropy and argmax only: any class id
+            ids = e.method("new_zeros", hidden2d, e.method("size", hidden2d, 0), dtype=torch.long)
+        else:
+            ids = target1d if ii == NO_IGNORE else e.call(torch.where, e.call(operator.eq, target1d, ii), 0, target1d)
+        out = e.call(ops.LOGPROB_FORWARD, hidden2d, weight, chain.bias, ids, NO_IGNORE, scale, cap,
+                     "entropy" in kinds, "argmax" in kinds)
+        item = functools.cache(lambda i: _dtensor.local(e, e.getitem(out, i)))
+        lp = item(0)
+        # the cross-entropy is minus the log-probs, 0 on ignored rows (the op ignores none: the entropy
+        # and argmax of every row are the user's)
+        masked = lp if ii == NO_IGNORE else e.call(torch.where, e.call(operator.ne, target1d, ii), lp, 0.0)
+        values = {"log_probs": (lambda: lp, 1), "cross_entropy": (lambda: masked, -1),
+                  "entropy": (lambda: item(1), 1), "argmax": (lambda: item(2), 1)}
+        lse = item(3) if plan.lse_users else None
     else:
-        loss = e.method("view_as", rows, site.shape_ref)
-        if site.drop_last:
-            loss = e.method("squeeze", loss, -1)
-    if site.negate:
-        loss = e.call(operator.neg, loss)
-    loss = _dtensor.restore(e, _cast_like(e, loss, site.loss), site.loss, chain)
-    site.loss.replace_all_uses_with(loss)
+        out = e.call(ops.FORWARD, hidden2d, weight, chain.bias, target1d, ii, float(site.label_smoothing), scale, cap,
+                     0.0)
+        rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
+        values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
+
+    for h, c in plan.heads:
+        value, sign = values[h.head]
+        value = value()
+        if h.head == "cross_entropy" and h.reduction != "none":
+            if h.reduction == "mean":
+                count = e.method("sum", e.call(operator.ne, target1d, ii))
+                value = e.call(operator.truediv, e.method("sum", value), count)
+            else:
+                value = e.method("sum", value)
+        elif h.shape_ref is not None:
+            value = e.method("view_as", value, h.shape_ref)
+            if h.drop_last:
+                value = e.method("squeeze", value, -1)
+        else:
+            value = _rows_like(e, value, c, len(c.nodes) - 1, h.keepdim, hidden, all_ops, d)
+        _place(e, h.loss, value, (sign < 0) != h.negate, chain, folded)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
     # (shaped like the node each reads: the hidden states through the same views, less D)
-    for u, keepdim in plan.lse_users.items():
-        position = chain.nodes.index(arg(u, 0, "input"))
-        upto = [op for i, op in chain.shape_ops if i <= position]
-        if tval(u).dim() == 1 and not keepdim:
-            value = lse  # one lse per row, in row order: exactly the op's
-        else:
-            like = hidden if upto == all_ops else _logits.replay(e, chain.hidden, upto, d)
-            value = e.method("view", lse, e.getitem(e.method("size", like), slice(None, -1)))
-            if keepdim:
-                value = e.method("unsqueeze", value, -1)
+    for u, (c, position, keepdim) in plan.lse_users.items():
+        value = _rows_like(e, lse, c, position, keepdim, hidden, all_ops, d)
         u.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, u), u, chain))
-    return _erase_dead(gm, plan, erased)
+    return _erase_dead(gm, plan, erased, folded)
 
 
-def _erase_dead(gm, plan: Plan, erased: set) -> int:
+def _rows_like(e: Emitter, value: Node, c: _logits.Logits, position: int, keepdim: bool, hidden: Node,
+               all_ops: list, d) -> Node:
+    """``value`` (one per row of the op, in its order) shaped as the rows of ``c.nodes[position]``
+    (then with a trailing 1 when ``keepdim``); ``hidden`` is the op's hidden states before
+    flattening, the hidden states through ``all_ops``."""
+    if tval(c.nodes[position]).dim() == 2 and not keepdim:
+        return value  # one per row, in row order: exactly the op's
+    upto = [op for i, op in c.shape_ops if i <= position]
+    like = hidden if upto == all_ops else _logits.replay(e, c.hidden, upto, d)
+    value = e.method("view", value, e.getitem(e.method("size", like), slice(None, -1)))
+    return e.method("unsqueeze", value, -1) if keepdim else value
+
+
+def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.Logits, folded: list) -> None:
+    """Make ``node``'s users read ``value`` (minus it when ``negative``): a negation that is the
+    node's only user reads ``value`` itself instead (``-F.cross_entropy(..., reduction="none")``,
+    ``-(p * logp).sum(-1)`` cost no negation)."""
+    users = list(node.users)
+    if negative and len(users) == 1 and is_call(users[0], NEG) and len(users[0].args) == 1 and not users[0].kwargs:
+        node, negative = users[0], False
+        folded.append(node)
+    if negative:
+        value = e.call(operator.neg, value)
+    node.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, node), node, chain))
+
+
+def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
     """Erase what became dead (and only that: escaping logits stay for their other users); the
     bytes of [N, V]-sized buffers no longer computed."""
-    site, chain = plan.site, plan.logits
-    candidates = [site.loss, *plan.lse_users, *site.consumed, *site.aux, *reversed(chain.nodes)]
+    chain = plan.logits
+    candidates = [*folded, *plan.lse_users, *reversed(plan.owned)]
     # the matmul's own operand nodes (e.g. ``W.t()``, whatever the argument order: einsum puts the
     # equation first); each is erased only if nothing else uses it
     keep = {chain.hidden, chain.weight, chain.bias}

@@ -1,36 +1,44 @@
-"""What an idiom hands to the driver: a loss site (or a reason to decline), plus the shared
-recognisers the idioms and the plan use (class dimension, loss arguments, log_softmax, logsumexp)."""
+"""What an idiom hands to the driver: a head over lm_head logits (or a reason to decline), plus the
+shared recognisers the idioms and the plan use (class dimension, loss arguments, log-probabilities
+and probabilities of the logits, logsumexp)."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ._fx import arg, is_call, norm_dim, number, permutation, tval
+from ._fx import arg, is_call, norm_dim, number, permutation, same, tval
 
 # ignore_index for spellings that have none (gather, one_hot): out of range of any class id and of
 # int32, so no real target is ever ignored. Eager raises on such a target; we never see one.
 NO_IGNORE = -(2**31)
 
 
+# what a head computes per row of the logits, in the order explain names a site's heads
+HEADS = ("cross_entropy", "log_probs", "entropy", "argmax")
+
+
 @dataclass
 class LossSite:
-    """A loss over lm_head logits that the driver can replace by the fused op.
+    """A head over lm_head logits that the driver can replace by an output of the fused op.
 
-    The replacement of ``loss`` is: per-row loss ``rows`` (N,), reduced by ``reduction``
-    (``mean``: ``rows.sum() / (target != ignore_index).sum()``); for ``none`` viewed as
-    ``shape_ref`` (then ``squeeze(-1)`` when ``drop_last``); negated when ``negate`` (the idiom
-    computes ``log p(target)`` rather than the loss).
+    ``loss`` holds, per row of the logits (minus that when ``negate``), by ``head``:
+    ``cross_entropy`` the loss ``lse − z[target]`` (0 where ``target == ignore_index``) reduced by
+    ``reduction`` (``mean``: ``rows.sum() / (target != ignore_index).sum()``); ``log_probs``
+    ``z[target] − lse``; ``entropy`` ``−Σ p·log p``; ``argmax`` the first maximal column. Per-row
+    values are viewed as ``shape_ref`` (then ``squeeze(-1)`` when ``drop_last``), or without one as
+    the rows of ``logits`` (with a trailing 1 when ``keepdim``).
     """
 
     pattern: str
     loss: Node
     logits: Node  # the [..., V] tensor the idiom reads, vocabulary last
-    target: Node  # integer class ids; target.reshape(-1) has one per row of logits
+    target: Optional[Node]  # integer class ids, one per row of logits (target.reshape(-1)); None for entropy, argmax
     consumed: tuple = ()  # idiom nodes derived from the logits (erased once dead)
     aux: tuple = ()  # idiom nodes not derived from the logits (erased once dead)
     ignore_index: int = NO_IGNORE
@@ -40,6 +48,8 @@ class LossSite:
     drop_last: bool = False
     negate: bool = False
     needs_lse_of: tuple = ()  # logsumexp nodes the idiom relies on: each must map to the op's lse
+    head: str = "cross_entropy"
+    keepdim: bool = False
 
 
 @dataclass
@@ -52,6 +62,7 @@ class Decline:
     logits: Optional[Node] = None  # the logits the loss reads, when known (else its first argument)
     logits_escape: bool = False  # the logits are a graph output (explain says what to compile instead)
     logits_input: bool = False  # the logits are a graph input: a graph break before the loss
+    head: str = "cross_entropy"  # what the declined head computes (LossSite.head)
 
 
 def vocab_last(node: Any, class_dim: int) -> Optional[tuple[Node, tuple]]:
@@ -69,11 +80,14 @@ def vocab_last(node: Any, class_dim: int) -> Optional[tuple[Node, tuple]]:
 
 
 LOG_SOFTMAX = (F.log_softmax, torch.log_softmax, "log_softmax")
+SOFTMAX = (F.softmax, torch.softmax, "softmax")
+SUB = (operator.sub, torch.sub, "sub")
 
 
-def log_softmax(node: Any) -> Optional[tuple[Node, int]]:
-    """(input, normalised dim) when ``node`` is a log_softmax over an explicit dimension."""
-    if not is_call(node, LOG_SOFTMAX):
+def log_softmax(node: Any, targets: tuple = LOG_SOFTMAX) -> Optional[tuple[Node, int]]:
+    """(input, normalised dim) when ``node`` is a log_softmax (or another of ``targets``, called
+    alike) over an explicit dimension."""
+    if not is_call(node, targets):
         return None
     src, dim = arg(node, 0, "input"), arg(node, 1, "dim")
     # F.log_softmax(input, dim, _stacklevel, dtype); the method's dtype is read by keyword only
@@ -83,6 +97,84 @@ def log_softmax(node: Any) -> Optional[tuple[Node, int]]:
         return None
     d = norm_dim(dim, t.dim())
     return None if d is None else (src, d)
+
+
+class Normalised(NamedTuple):
+    """Log-probabilities or probabilities of ``logits`` over their dimension ``dim``."""
+
+    logits: Node
+    dim: int
+    nodes: tuple  # from the logits (excluded) to the result
+    lse: tuple = ()  # logsumexp nodes it subtracts: the plan maps them onto the op's lse
+
+
+def log_probs_of(node: Any) -> Optional[Normalised]:
+    """``log_softmax(z, dim)``, or ``z − logsumexp(z, -1, keepdim=True)`` (the normalised logits of
+    ``torch.distributions.Categorical``), maybe through what Categorical puts around them:
+    ``broadcast_tensors(value, lp)[1]`` (``log_prob``) and ``clamp(lp, min=finfo.min)``
+    (``entropy``; log-probabilities are finite, so that clamp changes nothing)."""
+    around: tuple = ()
+    while isinstance(node, Node):
+        found = _passthrough(node)
+        if found is None:
+            break
+        node, passed = found
+        around = (*around, *passed)
+    ls = log_softmax(node)
+    if ls is not None:
+        return Normalised(ls[0], ls[1], (*around, node))
+    if is_call(node, SUB) and len(node.args) == 2 and not node.kwargs:
+        z, lse = node.args
+        m = lse_of(lse)
+        if m is not None and m[0] is z and m[1]:
+            return Normalised(z, tval(z).dim() - 1, (*around, node), (lse,))
+    return None
+
+
+def probs_of(node: Any) -> Optional[Normalised]:
+    """``softmax(z, dim)`` (also of log-probabilities of ``z`` over the same dim, as Categorical's
+    ``probs``), or ``exp`` of log-probabilities of ``z``."""
+    sm = log_softmax(node, SOFTMAX)
+    if sm is not None:
+        lp = log_probs_of(sm[0])
+        if lp is not None and lp.dim == sm[1]:
+            return lp._replace(nodes=(*lp.nodes, node))
+        return Normalised(sm[0], sm[1], (node,))
+    lp = log_probs_of(arg(node, 0, "input")) if is_call(node, (torch.exp, "exp")) and len(node.args) == 1 else None
+    return None if lp is None else lp._replace(nodes=(*lp.nodes, node))
+
+
+def _passthrough(node: Node) -> Optional[tuple[Node, tuple]]:
+    """(input, the nodes passed) when ``node`` returns its input's values unchanged for
+    log-probabilities: the log-probs item of ``broadcast_tensors`` with nothing to broadcast,
+    ``clamp(min=finfo.min)``."""
+    t = tval(node)
+    if is_call(node, (operator.getitem,)) and is_call(node.args[0], (torch.functional.broadcast_tensors,)) \
+            and isinstance(node.args[1], int):
+        src = node.args[0].args[node.args[1]]
+        ts = tval(src)
+        return (src, (node, node.args[0])) if ts is not None and t is not None and ts.shape == t.shape else None
+    if is_call(node, (torch.clamp, "clamp", torch.clamp_min, "clamp_min")) and t is not None \
+            and t.dtype.is_floating_point:
+        low = arg(node, 1, "min")
+        rest = [a for a in (*node.args[2:], node.kwargs.get("max")) if a is not None]
+        return (arg(node, 0, "input"), (node,)) if low == torch.finfo(t.dtype).min and not rest else None
+    return None
+
+
+def unbroadcast(index: Any) -> tuple[Any, tuple]:
+    """Categorical.log_prob's index ``broadcast_tensors(value, lp)[0][..., :1]`` as ``value`` (its
+    last dimension 1, so the broadcast and the slice give it back), and the nodes in between;
+    any other index as is."""
+    if is_call(index, (operator.getitem,)) and index.args[1] == (Ellipsis, slice(None, 1, None)):
+        item = index.args[0]
+        if is_call(item, (operator.getitem,)) and item.args[1] == 0 \
+                and is_call(item.args[0], (torch.functional.broadcast_tensors,)):
+            value = item.args[0].args[0]
+            tv, ti = tval(value), tval(index)
+            if tv is not None and ti is not None and tv.shape == ti.shape:
+                return value, (index, item)
+    return index, ()
 
 
 def loss_args_reason(a: dict) -> Optional[str]:
@@ -116,14 +208,45 @@ def integer_target(node: Any) -> Optional[str]:
     return None
 
 
-def lse_of(node: Any) -> Optional[tuple[Node, bool]]:
-    """(logits, keepdim) when ``node`` is ``logsumexp`` over the last dimension of ``logits``: the
+_ORDER_KEEPING = (torch.reshape, torch.flatten, torch.unsqueeze, torch.squeeze, "view", "reshape", "flatten",
+                  "unsqueeze", "squeeze", "contiguous")
+
+
+def ids_base(node: Any) -> Any:
+    """``node`` without the reshapes that keep its elements in order (``ids.view(-1)``,
+    ``ids.unsqueeze(-1)``, ``ids[..., None]``): two heads' targets with one base are the same ids."""
+    while is_call(node, _ORDER_KEEPING) or (
+            is_call(node, (operator.getitem,)) and isinstance(node.args[1], tuple)
+            and all(i is None or i is Ellipsis or i == slice(None) for i in node.args[1])):
+        node = arg(node, 0, "input")
+    return node
+
+
+def lse_of(node: Any) -> Optional[tuple[Node, bool, tuple]]:
+    """(logits, keepdim, nodes in between) when ``node`` is ``logsumexp`` over the last dimension of
+    ``logits``, or TRL's ``selective_log_softmax`` (fp32 branch) ``torch.stack([torch.logsumexp(row,
+    -1) for row in logits])`` over every row in order (its rows and their logsumexps in between): the
     plan maps a z-loss (PaLM / T5X / OLMo ``1e-4 * torch.logsumexp(logits, -1).pow(2).mean()`` next to
     the cross-entropy; Chameleon) onto the op's lse output instead of keeping the logits alive."""
+    if is_call(node, (torch.stack,)):
+        return _stacked_lse(node)
     if not is_call(node, (torch.logsumexp, "logsumexp")):
         return None
     z, dim, keep = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "keepdim", False)
     tz = tval(z)
     if tz is None or norm_dim(dim, tz.dim()) != tz.dim() - 1 or not isinstance(keep, bool):
         return None
-    return z, keep
+    return z, keep, ()
+
+
+def _stacked_lse(node: Node) -> Optional[tuple[Node, bool, tuple]]:
+    items = arg(node, 0, "tensors")
+    if arg(node, 1, "dim", 0) != 0 or not isinstance(items, (list, tuple)) or not items:
+        return None
+    rows = [lse_of(i) if is_call(i, (torch.logsumexp, "logsumexp")) else None for i in items]
+    if any(r is None or r[1] or not is_call(r[0], (operator.getitem,)) for r in rows):
+        return None
+    z = rows[0][0].args[0]
+    if any(r[0].args != (z, i) for i, r in enumerate(rows)) or not same(tval(z).shape[0], len(rows)):
+        return None
+    return z, False, (*(r[0] for r in rows), *items)

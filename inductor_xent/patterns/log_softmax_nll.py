@@ -2,13 +2,16 @@
 
 Mirrors older fairseq / torchtext training loops and the explicit two-step spelling in many
 tutorials (``logp = F.log_softmax(logits, dim=-1); loss = F.nll_loss(logp.view(-1, V), y.view(-1))``),
-and the "log-prob of the target" spelling of RL / DPO code (``torch.gather(logits.log_softmax(-1),
--1, labels.unsqueeze(-1)).squeeze(-1)``, e.g. TRL's ``selective_log_softmax`` fallback): there the
-gathered value is ``-loss`` and the user's own masking and reduction stay.
+and the "log-prob of the target" spelling of RL / DPO code (``torch.gather(F.log_softmax(logits / T,
+-1), -1, labels.unsqueeze(-1)).squeeze(-1)``, e.g. TRL's ``selective_log_softmax`` for whole
+batches, and ``torch.distributions.Categorical(logits=logits).log_prob(labels)``, whose log-probs
+are ``logits − logsumexp(logits, -1, keepdim=True)``): a ``log_probs`` head, the user's own masking
+and reduction stay.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -17,7 +20,16 @@ from torch.fx import Node
 
 from ._fx import arg, bind, is_call, norm_dim, same, tval
 from ._logits import STEPS, VIEWS
-from ._site import Decline, LossSite, integer_target, log_softmax, loss_args_reason, vocab_last
+from ._site import (
+    Decline,
+    LossSite,
+    integer_target,
+    log_probs_of,
+    log_softmax,
+    loss_args_reason,
+    unbroadcast,
+    vocab_last,
+)
 
 PATTERN = "log_softmax_nll"
 TARGETS = (F.nll_loss, torch.gather, "gather")
@@ -80,17 +92,22 @@ def _match_nll(node: Node):
 
 def _match_gather(node: Node):
     lp, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
-    ls = log_softmax(lp)
+    ls = log_probs_of(lp)
     tl, ti = tval(lp), tval(index)
     if ls is None or tl is None or ti is None or node.kwargs.get("sparse_grad"):
         return None
-    if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1:
+    if norm_dim(dim, tl.dim()) != tl.dim() - 1:
         return None
+    decline = functools.partial(Decline, PATTERN, node, logits=ls.logits, head="log_probs")
+    if ls.dim != tl.dim() - 1:
+        return decline(f"log_softmax over dim {ls.dim}, not the vocabulary (last) dim")
     if ti.dim() != tl.dim() or not same(ti.shape[-1], 1):
-        return Decline(PATTERN, node, logits=ls[0], reason="gather of more than one class per row")
+        return decline("gather of more than one class per row")
     if not all(same(a, b) for a, b in zip(ti.shape[:-1], tl.shape[:-1])):
-        return Decline(PATTERN, node, logits=ls[0], reason="gather index does not cover the logits' rows one to one")
+        return decline("gather index does not cover the logits' rows one to one")
     reason = integer_target(index)
     if reason:
-        return Decline(PATTERN, node, logits=ls[0], reason=reason)
-    return LossSite(PATTERN, node, ls[0], index, (lp,), shape_ref=index, negate=True)
+        return decline(reason)
+    target, between = unbroadcast(index)
+    return LossSite(PATTERN, node, ls.logits, target, ls.nodes, between, shape_ref=target, needs_lse_of=ls.lse,
+                    head="log_probs")

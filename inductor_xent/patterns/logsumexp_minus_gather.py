@@ -3,11 +3,15 @@
 Mirrors hand-written losses in research code (e.g. PaLM/T5X-style z-loss implementations that need
 the lse anyway, ``lse = torch.logsumexp(logits, -1); loss = lse - logits.gather(-1, t[:, None])[:, 0]``).
 Both reads of ``z`` must see the same final logits; the logsumexp becomes the op's lse output (so a
-z-loss term on it keeps working) and the difference becomes the op's per-row loss.
+z-loss term on it keeps working) and the difference becomes the op's per-row loss. The other order,
+``z.gather(-1, y[..., None]).squeeze(-1) - torch.logsumexp(z, -1)``, is a ``log_probs`` head: RL
+code's log-prob of the sampled token, e.g. TRL's ``selective_log_softmax`` for fp32 logits, whose
+logsumexp is ``torch.stack([torch.logsumexp(row, -1) for row in logits])`` (``_site.lse_of``).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -45,27 +49,32 @@ def _gathered(node):
     return node, z, index, squeezed
 
 
+def _lse_minus_gathered(lse_node, g, head: str):
+    while is_call(lse_node, CAST_METHODS):
+        lse_node = arg(lse_node, 0, "input")  # lse.float() - z.float().gather(...)
+    found_g = _gathered(g) if isinstance(g, Node) else None
+    return None if lse_of(lse_node) is None or found_g is None else (lse_node, g, head, found_g)
+
+
 def match(node: Node):
     if node.kwargs or len(node.args) != 2:
         return None
-    lse_node, g = node.args
-    while is_call(lse_node, CAST_METHODS):
-        lse_node = arg(lse_node, 0, "input")  # lse.float() - z.float().gather(...)
-    found_lse = lse_of(lse_node)
-    found_g = _gathered(g) if isinstance(g, Node) else None
-    if found_lse is None or found_g is None:
+    a, b = node.args
+    found = _lse_minus_gathered(a, b, "cross_entropy") or _lse_minus_gathered(b, a, "log_probs")
+    if found is None:
         return None
-    gather, z, index, squeezed = found_g
+    lse_node, g, head, (gather, z, index, squeezed) = found
     ti, tz, tout = tval(index), tval(z), tval(node)
+    decline = functools.partial(Decline, PATTERN, node, logits=z, head=head)
     if not same(ti.shape[-1], 1) or not all(same(a, b) for a, b in zip(ti.shape[:-1], tz.shape[:-1])):
-        return Decline(PATTERN, node, logits=z, reason="gather index does not pick one class per row")
+        return decline("gather index does not pick one class per row")
     if tval(lse_node).dim() != tout.dim() or tval(g).dim() != tout.dim():
-        return Decline(PATTERN, node, logits=z, reason="logsumexp and gathered logit broadcast against each other")
+        return decline("logsumexp and gathered logit broadcast against each other")
     reason = integer_target(index)
     if reason:
-        return Decline(PATTERN, node, logits=z, reason=reason)
+        return decline(reason)
     consumed = (gather,) if squeezed is None else (gather, squeezed)
     return LossSite(
         PATTERN, node, z, index, consumed, shape_ref=index, drop_last=tout.dim() == ti.dim() - 1,
-        needs_lse_of=(lse_node,),
+        needs_lse_of=(lse_node,), head=head,
     )

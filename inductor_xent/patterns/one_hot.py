@@ -2,12 +2,13 @@
 
 Mirrors course and tutorial code (d2l.ai's "cross-entropy from scratch", JAX/optax-style ports such
 as ``-(jax.nn.one_hot(labels, V) * log_softmax(logits)).sum(-1)`` translated to torch). The sum is
-the target's log-probability, so it is replaced by ``-rows``; the negation and reduction the user
-wrote stay. ``num_classes`` must be the vocabulary size (``-1`` infers it from the data: declined).
+the target's log-probability (a ``log_probs`` head); the negation and reduction the user wrote stay.
+``num_classes`` must be the vocabulary size (``-1`` infers it from the data: declined).
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -47,17 +48,18 @@ def match(node: Node):
         return None
     y, num_classes, oh_nodes = found
     tl = tval(lp)
+    decline = functools.partial(Decline, PATTERN, node, logits=ls[0], head="log_probs")
     if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1 or keep:
-        return Decline(PATTERN, node, logits=ls[0], reason="sum is not over the vocabulary dimension without keepdim")
+        return decline("sum is not over the vocabulary dimension without keepdim")
     if not isinstance(num_classes, int) or not same(num_classes, tl.shape[-1]):
         reason = f"one_hot num_classes={num_classes!r} is not the vocabulary size"
-        return Decline(PATTERN, node, logits=ls[0], reason=reason)
+        return decline(reason)
     reason = integer_target(y)
     if reason:
-        return Decline(PATTERN, node, logits=ls[0], reason=reason)
+        return decline(reason)
     ty = tval(y)
     if ty.dim() != tl.dim() - 1 or not all(same(a, b) for a, b in zip(ty.shape, tl.shape[:-1])):
         # one_hot(y) * lp broadcasts: a row of lp may meet another row's target (or several)
         reason = f"the one-hot targets {tuple(ty.shape)} broadcast against the log-probs {tuple(tl.shape)}"
-        return Decline(PATTERN, node, logits=ls[0], reason=reason)
-    return LossSite(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, negate=True)
+        return decline(reason)
+    return LossSite(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, head="log_probs")
