@@ -145,15 +145,27 @@ def bench_ms(fn, quick, long):
     return do_bench(fn, warmup=50 if quick else 100, rep=rep, return_mode="median")
 
 
+def extra_peak_mib(fn):
+    """Run ``fn()`` once: (its result, the peak allocation during it minus the allocation before
+    it, in MiB). What the result holds is counted; callers subtract what they don't want counted."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (torch.cuda.max_memory_allocated() - base) / MiB
+
+
+def gemms_fwd_bwd(h, w):
+    """The three GEMMs of a forward+backward that keeps the logits: logits, dH, dW."""
+    z = h @ w.t()
+    return z @ w, z.t() @ h
+
+
 def measure_cublas(h, w, t, quick):
     """The GEMMs alone: one for the forward, three (logits, dH, dW) for forward+backward."""
-
-    def three():
-        z = h @ w.t()
-        return z @ w, z.t() @ h
-
     fwd = bench_ms(lambda: h @ w.t(), quick, False)
-    return {"fwd_ms": fwd, "inf_fwd_ms": fwd, "fwdbwd_ms": bench_ms(three, quick, True)}
+    return {"fwd_ms": fwd, "inf_fwd_ms": fwd, "fwdbwd_ms": bench_ms(lambda: gemms_fwd_bwd(h, w), quick, True)}
 
 
 def measure(name, fn, h, w, t, ref, quick):
@@ -168,12 +180,8 @@ def measure(name, fn, h, w, t, ref, quick):
     }
     del loss, gh, gw
     # memory: peak during one fwd+bwd, minus what existed before and the two gradients
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    gh, gw = torch.autograd.grad(fn(hr, wr, t), (hr, wr))
-    torch.cuda.synchronize()
-    row["extra_mib"] = (torch.cuda.max_memory_allocated() - base - gh.nbytes - gw.nbytes) / MiB
+    (gh, gw), peak = extra_peak_mib(lambda: torch.autograd.grad(fn(hr, wr, t), (hr, wr)))
+    row["extra_mib"] = peak - (gh.nbytes + gw.nbytes) / MiB
     del gh, gw
     # time
     row["fwd_ms"] = bench_ms(lambda: fn(hr, wr, t), quick, False)
@@ -306,20 +314,24 @@ def sweep(shapes, quick, out, names=None):
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
-def env_info():
+def env_info(device="cuda"):
+    """GPU, versions, date and command line (``device="cpu"``: the CPU, for dry runs)."""
+    import platform
+
     import triton
 
-    from inductor_xent.templates.backward import _cublas_fp32_out
-
-    return {
-        "gpu": torch.cuda.get_device_name(),
+    info = {
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else f"CPU {platform.machine()} (dry run)",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cublas_addmm_fp32_out_bf16": _cublas_fp32_out(torch.device("cuda", torch.cuda.current_device()),
-                                                       torch.bfloat16),
-        "command": " ".join(sys.argv),
     }
+    if device == "cuda":
+        from inductor_xent.templates.backward import _cublas_fp32_out
+
+        info["cublas_addmm_fp32_out_bf16"] = _cublas_fp32_out(torch.device("cuda", torch.cuda.current_device()),
+                                                              torch.bfloat16)
+    return info | {"command": " ".join(sys.argv)}
 
 
 def fmt(x, spec):
@@ -439,13 +451,8 @@ def store_options(shapes, quick, out):
                         loss, gh, gw, _ = run()
                         row["err_grad_hidden"], row["err_grad_weight"] = rel_err(gh, ref[1]), rel_err(gw, ref[2])
                         del loss, gh, gw
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                        base = torch.cuda.memory_allocated()
-                        res = run()
-                        torch.cuda.synchronize()
-                        row["extra_mib"] = (torch.cuda.max_memory_allocated() - base - res[1].nbytes
-                                            - res[2].nbytes) / MiB
+                        res, peak = extra_peak_mib(run)
+                        row["extra_mib"] = peak - (res[1].nbytes + res[2].nbytes) / MiB
                         del res
                         row["ms"] = bench_ms(run, quick, False)
                     except Exception as exc:

@@ -20,11 +20,24 @@ SHAPES: dict[str, Shape] = {
     "llama3-8b": Shape(8192, 4096, 128256),
     "gemma2-2b": Shape(8192, 2304, 256000),
     "gpt2": Shape(16384, 768, 50257),  # unaligned V: cuBLAS is slow there, masked tiles are not
+    # an RL head (bench_rl.py): Qwen2.5-7B's hidden size and padded vocabulary, 16384 rollout tokens
+    # (its fp32 logits are 9.3 GiB)
+    "qwen2.5-7b": Shape(16384, 3584, 152064),
     # smaller shapes for --quick and the GPU tests
     "small": Shape(2048, 1024, 32000),
 }
 
 DATA = ("gauss", "zipf")
+
+
+def shape_of(name: str) -> Shape:
+    """A shape of ``SHAPES`` by name, or an ad-hoc one spelled ``NxDxV`` (e.g. ``96x64x1031``)."""
+    if name in SHAPES:
+        return SHAPES[name]
+    parts = name.split("x")
+    if len(parts) == 3 and all(p.isdigit() and int(p) > 0 for p in parts):
+        return Shape(*map(int, parts))
+    raise ValueError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)} or spell one NxDxV")
 
 
 def make_data(shape: Shape, data: str, dtype=torch.bfloat16, device="cuda", seed=0):

@@ -5,6 +5,7 @@ command works from a checkout or an editable install.
 
     python -m inductor_xent bench kernels [--shapes ... --data ... --methods ... --out DIR]
     python -m inductor_xent bench e2e     [--out DIR]          # an HF training step, both backends
+    python -m inductor_xent bench rl      [--shapes qwen2.5-7b --methods ... --out DIR]  # log-probs + entropy
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-SCRIPTS = {"kernels": "bench_kernels.py", "e2e": "bench_e2e.py"}
+SCRIPTS = {"kernels": "bench_kernels.py", "e2e": "bench_e2e.py", "rl": "bench_rl.py"}
 
 
 def _load(name: str):

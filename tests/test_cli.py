@@ -15,7 +15,7 @@ def test_usage_and_unknown_command(capsys):
     assert cli.main(["train"]) == 2
     assert "unknown command 'train'" in capsys.readouterr().err
     assert cli.main(["bench", "speed"]) == 2
-    assert "unknown benchmark 'speed'; choose one of kernels, e2e" in capsys.readouterr().err
+    assert "unknown benchmark 'speed'; choose one of kernels, e2e, rl" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
