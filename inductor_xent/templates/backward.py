@@ -61,7 +61,7 @@ def lce_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One [BLOCK_M, BLOCK_N] tile of dz for the chunk; the column sums into dbias[pid_m].
     With USE_TMA, hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
@@ -76,7 +76,7 @@ def lce_dlogits_kernel(
     col_mask = (offs_c < chunk) & (offs_v < V)
     acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v_start + pid_n * BLOCK_N, offs_v, D,
                       stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA, WS)
+                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
     z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
     # ---- dz = g·q + c·p with q = p − coef and c = 2·z_loss·lse·g + h ------------------------------

@@ -84,13 +84,13 @@ def logits_tile(
     h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, WS: tl.constexpr = 0,
+    DOT_UPCAST: tl.constexpr,
 ):
     """acc[BLOCK_M, BLOCK_N] = hidden_rows @ weight_cols.T over the whole D, fp32 accumulate.
     ``h_ptrs`` is [BLOCK_M, BLOCK_K], ``w_ptrs`` [BLOCK_K, BLOCK_N], both at k = 0; rows and
     columns were clamped in bounds by the caller, so only the D tail needs a mask."""
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WS == 1):
+    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
         if EVEN_K:
             a = tl.load(h_ptrs)
             b = tl.load(w_ptrs)
@@ -110,12 +110,11 @@ def logits_tile(
 @triton.jit
 def logits_tile_tma(h_desc, w_desc, off_m, off_v, D,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
-                    WS: tl.constexpr = 0):
+                    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr):
     """logits_tile through TMA descriptors (Hopper's bulk tensor copies): rows, columns and the D
     tail out of bounds read as zeros, and no address arithmetic is held in registers."""
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES, warp_specialize=WS == 1):
+    for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
         a = h_desc.load([off_m, k])
         b = w_desc.load([off_v, k])
         if DOT_UPCAST:
@@ -130,22 +129,19 @@ def tile_logits(
     hidden_ptr, weight_ptr, off_m, rows, off_v, offs_v, D, stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
-    WS: tl.constexpr = 0,
 ):
     """The raw logit tile hidden[rows] @ weight[off_v : off_v + BLOCK_N].T (fp32), through TMA
-    descriptors (hidden_ptr / weight_ptr are descriptors then) or clamped pointers. WS=1 asks
-    Triton to warp-specialise the D loop (a producer warp issuing the loads, consumer warpgroups
-    doing the MMA; Hopper's pass in Triton 3.6), WS=2 is the caller's outer loop."""
+    descriptors (hidden_ptr / weight_ptr are descriptors then) or clamped pointers."""
     if USE_TMA:
         acc = logits_tile_tma(hidden_ptr, weight_ptr, off_m, off_v, D,
-                              BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, WS)
+                              BLOCK_M, BLOCK_N, BLOCK_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
     else:
         cols = tl.minimum(offs_v, V - 1).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         h_ptrs = hidden_ptr + rows[:, None] * stride_h_n + offs_k[None, :] * stride_h_d
         w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
         acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, WS)
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
     return acc
 
 

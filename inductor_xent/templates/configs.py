@@ -26,10 +26,8 @@ class KernelConfig(NamedTuple):
     num_warps: int
     num_stages: int  # software-pipelining depth of the D loop
     ctas_per_sm: int = 1  # expected residency, used only to size the vocabulary split
-    flatten: bool = False  # tl.range(flatten=True): one pipelined loop over (vocab tile, k)
     split_tiles: int = 0  # forward: vocabulary tiles per program; 0 = vocab_split's model
     tma: bool = False  # operands through TMA descriptors where the layout allows (launch._tma_ok)
-    ws: int = 0  # warp specialisation (tl.range(warp_specialize=True)): 1 the D loop, 2 the vocabulary loop
 
 
 # ---------------------------------------------------------------------------------------------
@@ -40,7 +38,6 @@ CONFIGS: dict[str, KernelConfig] = {
     # 48 KiB of shared memory per stage
     "m128n256k64w8s3": KernelConfig(128, 256, 64, 8, 8, 3),
     "m128n256k64w8s4": KernelConfig(128, 256, 64, 8, 8, 4),
-    "m128n256k64w8s3f": KernelConfig(128, 256, 64, 8, 8, 3, flatten=True),
     # one vocabulary tile per program (a plain GEMM schedule; partials N x V/256 x 12 bytes) or a few
     "m128n256k64w8s3t1": KernelConfig(128, 256, 64, 8, 8, 3, split_tiles=1),
     "m128n256k64w8s3t4": KernelConfig(128, 256, 64, 8, 8, 3, split_tiles=4),
@@ -49,12 +46,6 @@ CONFIGS: dict[str, KernelConfig] = {
     "m128n256k64w8s3tma": KernelConfig(128, 256, 64, 8, 8, 3, tma=True),
     "m128n256k64w8s4tma": KernelConfig(128, 256, 64, 8, 8, 4, tma=True),
     "m256n128k64w8s3tma": KernelConfig(256, 128, 64, 8, 8, 3, tma=True),
-    # Triton 3.6's Hopper warp specialisation: a producer warp for the TMA loads and consumer
-    # warpgroups for the MMA (ws1: of the D loop; ws2: of the forward's vocabulary loop, so that a
-    # tile's softmax epilogue can overlap the next tile's MMA)
-    "m128n256k64w8s3tma_ws1": KernelConfig(128, 256, 64, 8, 8, 3, tma=True, ws=1),
-    "m128n256k64w8s3tma_ws2": KernelConfig(128, 256, 64, 8, 8, 3, tma=True, ws=2),
-    "m128n256k64w8s3_ws1": KernelConfig(128, 256, 64, 8, 8, 3, ws=1),
     # smaller accumulator: no spills (ptxas: 186 registers, 0 stack, offline sm_90 compile), but
     # 186 x 256 threads still allows only one CTA per SM
     "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3),
@@ -69,12 +60,16 @@ CONFIGS: dict[str, KernelConfig] = {
 
 # (kernel, operand bytes) -> config name. D is not bucketed: in the H200 sweep (bf16, 2026-12-02,
 # benchmarks/NOTES.md) 128x256 was the fastest forward tile or within 3% at D = 4096, 2304 and 768
-# (llama3-8b 14.5 ms; 256x128 15.5, 128x128 18.8, flatten=True 27.5); the dlogits kernel's tile
-# moved the backward by less than the run-to-run spread (40.4-43.5 ms for identical kernels).
-# TMA configs compile to UTMALDG + HGMMA without spills (offline sm_90 build) but have not been
-# timed on the GPU yet, so no table uses them.
-FORWARD_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
-DLOGITS_TABLE: dict[int, str] = {2: "m128n256k64w8s3", 4: "m128n128k32w8s3"}
+# (llama3-8b 14.5 ms; 256x128 15.5, 128x128 18.8, tl.range(flatten=True) 27.5, since deleted); the
+# dlogits kernel's tile moved the backward by less than the run-to-run spread (40.4-43.5 ms).
+# TMA operands (H200 sweep, 2026-12-03, llama3-8b, bf16, fwd / bwd ms, bitwise the same results):
+# pointers s3 14.25 / 44.06; TMA s3 13.09 / 40.02, TMA s4 12.99 / 39.82, TMA 256x128 13.15 / 41.62.
+# Triton 3.6's warp specialisation (tl.range(warp_specialize=True)) of the D loop gave 13.09 / 40.23
+# with TMA and 14.24 / 41.89 without, of the forward's vocabulary loop 12.89 / 39.72: within a run's
+# spread of TMA s4, so that code path was deleted. Operands TMA cannot take (odd D, a W_dv.t()
+# weight, pre-Hopper GPUs) run the same tile with pointers (launch._tma_ok).
+FORWARD_TABLE: dict[int, str] = {2: "m128n256k64w8s4tma", 4: "m128n128k32w8s3"}
+DLOGITS_TABLE: dict[int, str] = {2: "m128n256k64w8s4tma", 4: "m128n128k32w8s3"}
 # the fp32 accumulate-GEMM used for grad_hidden where cuBLAS cannot write fp32 from bf16 inputs
 ACC_MM_TABLE: dict[int, str] = {2: "m128n128k64w8s3", 4: "m64n128k32w4s3"}
 

@@ -63,7 +63,7 @@ def lce_fwd_kernel(
     NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    FLATTEN: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, WS: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """One (row block, vocabulary split): partials m, s, zt[, sz][, st][, a] into
     part[P, num_splits, N], and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32);
@@ -89,12 +89,12 @@ def lce_fwd_kernel(
     # ---- walk this split's vocabulary tiles ---------------------------------------------------
     v_begin = pid_s * tiles_per_split * BLOCK_N
     v_end = tl.minimum(v_begin + tiles_per_split * BLOCK_N, V)
-    for v0 in tl.range(v_begin, v_end, BLOCK_N, flatten=FLATTEN, warp_specialize=WS == 2):
+    for v0 in range(v_begin, v_end, BLOCK_N):
         offs_v = v0 + tl.arange(0, BLOCK_N)
         col_mask = offs_v < V
         acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v0, offs_v, D,
                           stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
-                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA, WS)
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
         z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
         # ---- target logit, sum of logits, online logsumexp ---------------------------------

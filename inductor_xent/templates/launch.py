@@ -183,8 +183,8 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
         STORE_E=e is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
-        NUM_STAGES=cfg.num_stages, FLATTEN=cfg.flatten, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
-        WS=cfg.ws, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
@@ -280,7 +280,7 @@ def backward(
             HAS_ENTROPY=has_entropy,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
-            DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, WS=cfg.ws,
+            DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         dz = dz.to(hidden.dtype)
