@@ -204,12 +204,13 @@ def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_sc
 
 
 def _sizes(hidden2d, weight):
-    """(N, D, V) as ints for planning. Under torch.compile N is None (planned as
-    strategy.DYNAMIC_ROWS): a dynamic N must neither be guarded nor cause recompiles, and Dynamo
-    shows a SymInt to the traced code as an int, so the two cannot be told apart there. D and V
-    are parameters' sizes (static; a dynamic one is specialised)."""
-    compiling = torch.compiler.is_compiling()
-    return None if compiling else hidden2d.shape[0], int(weight.shape[1]), int(weight.shape[0])
+    """(N, D, V) for planning, N always None (planned as strategy.DYNAMIC_ROWS). Under torch.compile
+    a dynamic N must neither be guarded nor cause recompiles, and Dynamo shows a SymInt to the traced
+    code as an int, so the two cannot be told apart there; eager calls plan the same way so that an
+    eager and a compiled call of the same function take the same strategy and give the same bits
+    (on the H200 an eager call at N = 1000 planned recompute where the compiled one planned store).
+    The op sizes its store chunks for the real N. D and V are parameters' sizes (static)."""
+    return None, int(weight.shape[1]), int(weight.shape[0])
 
 
 @torch.compiler.assume_constant_result

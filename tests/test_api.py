@@ -131,3 +131,20 @@ def test_budget_too_small_falls_back_to_recompute():
     plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="none",
                          needs=(True, True, False), strategy="store")
     assert plan.strategy == "recompute" and "reduction='none'" in plan.reason
+
+
+def test_eager_plans_as_compiled_does():
+    """An eager call takes the strategy a compiled call of the same function takes: both plan
+    without N. At N = 100, V = 500 the store chunk (100 rows of V padded to 512) is just over the
+    1x budget of the real logits, so planning with the real N picked recompute eagerly while the
+    compiled call (planned for strategy.DYNAMIC_ROWS) picked store: one ulp apart on the H200."""
+    h = torch.randn(100, 8, requires_grad=True)
+    w = torch.randn(500, 8, requires_grad=True)
+    y = torch.randint(0, 500, (100,))
+    eager = inductor_xent.linear_cross_entropy(h, w, y, strategy="store")
+    assert "linear_ce_store" in type(eager.grad_fn).__name__, type(eager.grad_fn).__name__
+    compiled = torch.compile(lambda a, b: inductor_xent.linear_cross_entropy(a, b, y, strategy="store"),
+                             backend="aot_eager", fullgraph=True)(h, w)
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    for a, b in zip(torch.autograd.grad(compiled, (h, w)), torch.autograd.grad(eager, (h, w))):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
