@@ -258,13 +258,13 @@ def profile_kernels(h, w, t):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 
 
-def profile_op(shapes):
-    """Our fwd+bwd through the public op: event-timed wall per iteration against the sum of the
-    kernels' GPU time (a gap means the GPU waited on the host)."""
+def profile_op(shapes, methods=("ours",)):
+    """Each method's fwd+bwd: event-timed wall per iteration against the sum of the kernels' GPU
+    time (a gap means the GPU waited on the host), and the kernels that take it."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn = build("ours")
-    for shape_name in shapes:
+    for shape_name, name in ((s, m) for s in shapes for m in methods):
+        fn = build(name)
         h, w, t = make_data(SHAPES[shape_name], "gauss")
         hr, wr = h.requires_grad_(), w.requires_grad_()
         for _ in range(3):
@@ -278,9 +278,9 @@ def profile_op(shapes):
             end.record()
             torch.cuda.synchronize()
         kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 3
-        print(json.dumps({"profile": shape_name, "wall_ms_per_iter": start.elapsed_time(end) / 3,
+        print(json.dumps({"profile": shape_name, "method": name, "wall_ms_per_iter": start.elapsed_time(end) / 3,
                           "kernel_ms_per_iter": kernels}), flush=True)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10, max_name_column_width=50))
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
 
 
 def sweep(shapes, quick, out, names=None):
@@ -549,7 +549,7 @@ def main(argv=None):
         sweep(shapes, args.quick, out, [c for c in args.configs.split(",") if c])
         return 0
     if args.profile:
-        profile_op(shapes)
+        profile_op(shapes, args.methods.split(",") if args.methods != ",".join(METHODS) else ("ours",))
         return 0
     if args.store_options:
         store_options(shapes, args.quick, out)

@@ -8,6 +8,8 @@
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
+#   profile kernel time per method (torch.profiler): compile and store at llama3-8b (store with one
+#           chunk too), compile / store / recompute at gpt2
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -61,6 +63,9 @@ for step in ${STEPS//,/ }; do
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
         rl)    timeout 150 python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
+        profile) { timeout 120 $BENCH --profile --shapes llama3-8b,gpt2 --methods compile,ours_store,ours_recompute
+                   INDUCTOR_XENT_STORE_BUDGET=8GiB timeout 60 $BENCH --profile --shapes llama3-8b --methods ours_store; } 2>&1 \
+                   | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -80 ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
                    python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
         *) echo "unknown step $step" ;;
@@ -69,7 +74,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png; do
+         rl.log bench_rl.json bench_rl.png profile.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"
