@@ -38,6 +38,12 @@ CHUNK_ALIGN = 128  # rows per chunk are a multiple of the kernels' row block
 # shape: chunks of 1024 rows 44.5 ms against 42.7 for 2048); store then is not worth its memory.
 MIN_CHUNK_ROWS = 1024
 STORE_TILE = 256  # the store kernel's vocabulary tile: per (row, tile) it keeps 16 bytes of partials
+# On CUDA, ``auto`` takes store only from this hidden size up. Store saves one 2·N·D·V GEMM and pays
+# passes over [N, V] tensors (E written and read, dz written and read twice) whose cost does not
+# shrink with D; at small D the GEMM it saves is cheaper than those passes. Measured on the H200
+# (bf16, fwd+bwd): gpt2 D = 768: store 18.3 ms against recompute 12.0; gemma2-2b D = 2304: 49.5
+# against 62.6; llama3-8b D = 4096: 44.3 against 56.4 (benchmarks/RESULTS.md).
+STORE_MIN_D_CUDA = 2048
 
 
 @dataclass(frozen=True)
@@ -158,10 +164,10 @@ def plan(
     n: Optional[int], d: int, v: int, dtype: torch.dtype, weight_dtype: torch.dtype, *,
     reduction: str, needs: tuple[bool, bool, bool], label_smoothing: float = 0.0,
     softcap: Optional[float] = None, lse_used: bool = False,
-    strategy: Optional[str] = None, budget: Optional[str | int | float] = None,
+    strategy: Optional[str] = None, budget: Optional[str | int | float] = None, device: str = "cuda",
 ) -> Plan:
     """The strategy for one site (``strategy`` and ``budget`` default to ``config``'s); ``n`` None
-    means a dynamic number of rows (planned as DYNAMIC_ROWS)."""
+    means a dynamic number of rows (planned as DYNAMIC_ROWS); ``device`` is the inputs' device type."""
     strategy = check_strategy(strategy if strategy is not None else config.strategy())
     budget = budget if budget is not None else config.store_budget()
     parse_budget(budget)
@@ -170,6 +176,9 @@ def plan(
     why = store_unsupported(reduction, label_smoothing, softcap, lse_used, needs)
     if why:
         return Plan("recompute", reason="store cannot run: " + why)
+    if strategy == "auto" and device == "cuda" and d < STORE_MIN_D_CUDA:
+        return Plan("recompute", reason=f"D = {d} < {STORE_MIN_D_CUDA}: at small D store's passes over "
+                                        "[N, V] cost more than the GEMM it saves")
     n = DYNAMIC_ROWS if n is None else max(int(n), 1)
     rows = chunk_rows(n, v, d, dtype, weight_dtype, needs[1], budget)
     itemsize, w_itemsize = torch.finfo(dtype).bits // 8, torch.finfo(weight_dtype).bits // 8

@@ -133,6 +133,22 @@ def test_budget_too_small_falls_back_to_recompute():
     assert plan.strategy == "recompute" and "reduction='none'" in plan.reason
 
 
+def test_auto_takes_recompute_at_small_hidden_size_on_cuda():
+    """gpt2's D = 768: store lost to recompute on the H200 (18.3 against 12.0 ms), so ``auto`` does
+    not take it on CUDA below strategy.STORE_MIN_D_CUDA; asked for by name it still runs, and the
+    CPU path (no such measurement) keeps the budget rule."""
+    from inductor_xent import strategy
+
+    args = (16384, 768, 50257, torch.bfloat16, torch.bfloat16)
+    kw = dict(reduction="mean", needs=(True, True, False), budget="1x")
+    small = strategy.plan(*args, strategy="auto", device="cuda", **kw)
+    assert small.strategy == "recompute" and "D = 768 < 2048" in small.reason, small
+    assert strategy.plan(*args, strategy="store", device="cuda", **kw).strategy == "store"
+    assert strategy.plan(*args, strategy="auto", device="cpu", **kw).strategy == "store"
+    big = strategy.plan(8192, 2304, 256000, torch.bfloat16, torch.bfloat16, strategy="auto", device="cuda", **kw)
+    assert big.strategy == "store", big
+
+
 def test_eager_plans_as_compiled_does():
     """An eager call takes the strategy a compiled call of the same function takes: both plan
     without N. At N = 100, V = 500 the store chunk (100 rows of V padded to 512) is just over the

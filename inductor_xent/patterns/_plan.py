@@ -221,4 +221,4 @@ def gradients(p: Plan, which: Optional[str], budget) -> strategy.Plan:
     return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, tx.dtype, tw.dtype,
                          reduction=site.reduction if reduced else "none", needs=chain.needs,
                          label_smoothing=site.label_smoothing, softcap=chain.softcap,
-                         lse_used=bool(p.lse_users), strategy=which, budget=budget)
+                         lse_used=bool(p.lse_users), strategy=which, budget=budget, device=tx.device.type)
