@@ -8,8 +8,8 @@
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
-#   profile kernel time per method (torch.profiler): compile and store at llama3-8b (store with one
-#           chunk too), compile / store / recompute at gpt2
+#   profile kernel time per method (torch.profiler) at llama3-8b: compile, store folded and with the
+#           dz pass, store in one chunk
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -51,7 +51,7 @@ for step in ${STEPS//,/ }; do
         final) # the table in one run: peers, every strategy, llama3-8b on both data sets
                mkdir -p "$OUT/llama" "$OUT/others"
                timeout 260 $BENCH --quick --shapes llama3-8b --out "$OUT/llama" \
-                   --methods cublas,compile,liger,cce,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
+                   --methods cublas,compile,liger,cce,ours,ours_recompute,ours_store,ours_store_dz,ours_compiled 2>&1 \
                    | tee "$OUT/bench_llama.log" | grep -E "^\||error"
                timeout 200 $BENCH --quick --shapes gemma2-2b,gpt2 --data gauss --out "$OUT/others" \
                    --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
@@ -63,7 +63,7 @@ for step in ${STEPS//,/ }; do
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
         rl)    timeout 150 python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
-        profile) { timeout 120 $BENCH --profile --shapes llama3-8b,gpt2 --methods compile,ours_store,ours_recompute
+        profile) { timeout 120 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_store_dz
                    INDUCTOR_XENT_STORE_BUDGET=8GiB timeout 60 $BENCH --profile --shapes llama3-8b --methods ours_store; } 2>&1 \
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -80 ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \

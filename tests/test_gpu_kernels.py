@@ -136,13 +136,15 @@ def test_store_many_chunks_matches_reference(monkeypatch):
     compare(h, w, b, t, dict(z_loss=1e-4), "store")
 
 
-@pytest.mark.parametrize("strategy", ["recompute", "store"])
+# store_folded: store without smoothing or a bias gradient takes its folded path (templates/store.py)
+@pytest.mark.parametrize("strategy", ["recompute", "store", "store_folded"])
 def test_deterministic(strategy):
-    h, w, b, t = make(1024, 1024, 128256, torch.bfloat16, bias=True, seed=2)
+    folded = strategy == "store_folded"
+    h, w, b, t = make(1024, 1024, 128256, torch.bfloat16, bias=not folded, seed=2)
     red = "none" if strategy == "recompute" else "mean"
     g = torch.rand(1024, device="cuda") if red == "none" else torch.ones((), device="cuda")
     fn = lambda hh, ww, bb: inductor_xent.linear_cross_entropy(  # noqa: E731
-        hh, ww, t, bias=bb, reduction=red, label_smoothing=0.1, strategy=strategy)
+        hh, ww, t, bias=bb, reduction=red, label_smoothing=0.0 if folded else 0.1, strategy="store" if folded else strategy)
     first = loss_and_grads(fn, h, w, b, t, g)
     second = loss_and_grads(fn, h, w, b, t, g)
     for x, y in zip(first, second):
@@ -182,17 +184,20 @@ def test_peak_memory_llama3_8b(strategy, budget):
     assert extra <= limit, f"extra peak {extra / 2**20:.0f} MiB"
 
 
-@pytest.mark.parametrize("strategy", ["recompute", "store"])
+@pytest.mark.parametrize("strategy", ["recompute", "store", "store_folded"])
 def test_cuda_graph_capture(strategy):
     """Forward + backward through the public op, captured once and replayed: no host syncs."""
+    folded = strategy == "store_folded"
     h, w, b, t = make(512, 512, 50257, torch.bfloat16, bias=True, seed=3)
     h.requires_grad_()
     w.requires_grad_()
-    b.requires_grad_()
+    b.requires_grad_(not folded)
+    leaves = (h, w) if folded else (h, w, b)
 
     def step():  # detached outputs: no autograd node (made on another stream) outlives a step
-        loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1, strategy=strategy)
-        return (loss.detach(),) + torch.autograd.grad(loss, (h, w, b))
+        loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.0 if folded else 0.1,
+                                                  strategy="store" if folded else strategy)
+        return (loss.detach(),) + torch.autograd.grad(loss, leaves)
 
     expected = step()
     stream = torch.cuda.Stream()

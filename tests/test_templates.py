@@ -405,12 +405,63 @@ def test_store_two_chunks_bf16_accumulates_in_the_weight_dtype():
                 chunk_rows=16)
 
 
+FOLDED = {  # store's folded path (store.py): no smoothing, no z-loss, no bias gradient
+    "plain": (dict(), LossOptions()),
+    "scale_softcap_strided": (dict(scale=6.0, transposed_weight=True, strided_hidden=True),
+                              LossOptions(logit_scale=0.7, softcap=3.0)),
+    "ignore_valid_id": (dict(ignore_index=5), LossOptions(ignore_index=5)),
+    # logits with std ~60: most rows have a loss over E_CLAMP and are rescaled in place
+    "large_losses": (dict(scale=60.0), LossOptions()),
+}
+
+
+@pytest.fixture
+def folded_launches(monkeypatch):
+    """How many chunks took the folded path (a test of it that silently ran the dz path passes)."""
+    calls = []
+    kernel = launch.lce_store_fold_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(launch, "lce_store_fold_kernel", Spy())
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FOLDED))
+@pytest.mark.parametrize("chunk_rows", [0, 16])  # one chunk; three (bf16: fp32 weight-gradient accumulator)
+def test_store_folded(folded_launches, dtype, name, chunk_rows):
+    kwargs, o = FOLDED[name]
+    h, w, b, t = make_inputs(dtype=dtype, seed=14, **{**kwargs, "ignore_index": o.ignore_index})
+    if name == "large_losses":
+        ref = launch.target_logits(h, w, b, t, o)
+        z = F.linear(h.float(), w.float())
+        assert ((z.amax(-1) - ref)[t != o.ignore_index] > 40).float().mean() > 0.3  # the rescaled rows
+    check_store(h, w, b, t, o, chunk_rows=chunk_rows)
+    assert len(folded_launches) == (1 if chunk_rows == 0 else 3)
+
+
+def test_store_folded_needs_no_smoothing_z_loss_or_bias_gradient():
+    bf16 = torch.bfloat16
+    assert launch.folds(LossOptions(), bf16, False) and launch.folds(LossOptions(softcap=3.0), torch.float32, False)
+    assert not launch.folds(LossOptions(label_smoothing=0.1), bf16, False)
+    assert not launch.folds(LossOptions(z_loss=1e-4), bf16, False)
+    assert not launch.folds(LossOptions(), bf16, True)
+    assert not launch.folds(LossOptions(), torch.float16, False)
+
+
 def test_store_all_ignored_mean_is_nan_with_zero_gradients():
     h, w, b, t = make_inputs(bias=True, seed=10)
     t[:] = -100
     loss, gh, gw, gb = launch.store(h, w, b, t, LossOptions(), "mean", 16, (True, True, True))
     assert torch.isnan(loss)
     assert not gh.any() and not gw.any() and not gb.any()
+    loss, gh, gw, _ = launch.store(h, w, None, t, LossOptions(), "mean", 16, (True, True, False))  # folded
+    assert torch.isnan(loss)
+    assert not gh.any() and not gw.any()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
-from .store import lce_store_dz_kernel
+from .store import E_CLAMP, lce_store_dz_kernel, lce_store_fold_kernel
 
 COMBINE_BLOCK = 128
 E_ROW_ALIGN = 64  # elements: 128 bytes in 16 bits
@@ -156,11 +156,12 @@ def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
 
 
 def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
-                  entropy=None, argmax=None):
+                  entropy=None, argmax=None, fold=None):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
     with ``e`` (store mode, one tile per split) also the exp-logit tiles, and ``st`` the target's
-    sech² under a softcap; with ``entropy`` / ``argmax`` those of every row. Returns the partials
-    (their plane 0 holds each split's row max)."""
+    sech² under a softcap; with ``entropy`` / ``argmax`` those of every row; with ``fold`` = (ref,
+    grad, r_star, row_scale, e_target) store's folded path (store.py): E relative to the rows'
+    references, and the per-row outputs. Returns the partials (plane 0: each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -175,12 +176,12 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
     lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
-        h_op, w_op, bias, target, part, e, arg_part,
+        h_op, w_op, bias, target, part, e, arg_part, None if fold is None else fold[0],
         n, v, d, tiles_per_split, splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if e is None else e.stride(0),
-        logit_scale, softcap,
+        logit_scale, softcap, E_CLAMP,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
-        STORE_E=e is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
+        STORE_E=e is not None, E_REF=fold is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
         NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
@@ -188,11 +189,11 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     )
     loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
-        part, arg_part, target, loss, lse, lse_lo, st, entropy, argmax,
+        part, arg_part, target, loss, lse, lse_lo, st, entropy, argmax, *(fold or (None,) * 5),
         n, v, splits,
-        int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss),
+        int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss), logit_scale, E_CLAMP,
         NEED_SUM_Z=need_sum_z, NEED_ST=need_st, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
-        BLOCK=COMBINE_BLOCK,
+        FOLD=fold is not None, BLOCK=COMBINE_BLOCK,
     )
     return part
 
@@ -310,6 +311,36 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         torch.mm(a, b, out=out)
 
 
+def folds(opts: LossOptions, dtype: torch.dtype, need_bias: bool) -> bool:
+    """Whether store takes its folded path (store.py): without label smoothing (an ε/V term on every
+    column), z-loss (a per-row factor that can vanish) or a bias gradient (a column sum of dz), and
+    for bf16 or fp32 (fp16's range cannot hold E relative to one reference per row)."""
+    return (opts.label_smoothing == 0.0 and opts.z_loss == 0.0 and not need_bias
+            and dtype in (torch.bfloat16, torch.float32))
+
+
+def target_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                  opts: LossOptions) -> Tensor:
+    """Each row's target logit after scale, bias and softcap (fp32; 0 on ignored rows): the folded
+    store's reference. Any nearby value would do (the kernels derive everything from the stored
+    one), so a 16-bit dot product is enough."""
+    valid = target != opts.ignore_index
+    idx = torch.where(valid, target, 0)
+    ref = torch.bmm(hidden.unsqueeze(1), weight[idx].unsqueeze(2)).view(-1).float() * float(opts.logit_scale)
+    if bias is not None:
+        ref += bias[idx].float() * float(opts.logit_scale)
+    if opts.softcap is not None:
+        ref = torch.tanh(ref / float(opts.softcap)) * float(opts.softcap)
+    return torch.where(valid, ref, 0.0)
+
+
+def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b with an fp32 result (cuBLAS's fp32 output for 16-bit operands; fp32 on CPU)."""
+    if a.dtype == torch.float32 or b.dtype == torch.float32 or a.device.type == "cpu":
+        return a.float() @ b.float()
+    return torch.mm(a, b, out_dtype=torch.float32)
+
+
 def store(
     hidden: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
@@ -354,9 +385,13 @@ def store(
         fp32_acc = fp32_accumulate and need_w
     acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if fp32_acc else None
     interpret = config.triton_interpret()
+    fold = folds(opts, hidden.dtype, need_b)
     # E in fp16 for 16-bit inputs (values in (0, 1]: 11 significant bits), fp32 for fp32 inputs and
-    # under the interpreter (whose fp32 -> 16-bit casts truncate: torch rounds there instead)
+    # under the interpreter (whose fp32 -> 16-bit casts truncate: torch rounds there instead);
+    # folded, E is a GEMM operand: the input dtype
     e_dtype = torch.float32 if interpret or hidden.dtype == torch.float32 else torch.float16
+    if fold and not interpret:
+        e_dtype = hidden.dtype
     # rows padded to a multiple of E_ROW_ALIGN elements: cuBLAS runs dz·W and dzᵀ·h 2-5x slower
     # on an unaligned leading dimension (V = 50257: the dW GEMM took 13 ms instead of ~3)
     e_buf = torch.empty((chunk, -(-v // E_ROW_ALIGN) * E_ROW_ALIGN), dtype=e_dtype, device=dev)[:, :v]
@@ -369,13 +404,35 @@ def store(
     acc_cfg = configs.acc_mm_config(hidden.dtype)
     precision = _input_precision(hidden.dtype)
 
+    if fold:
+        ref = target_logits(hidden, weight, bias, target, opts)
+        r_star, row_scale, e_target = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
+
     for i, r0 in enumerate(range(0, n, chunk)):
         rows = slice(r0, min(n, r0 + chunk))
         m = rows.stop - rows.start
         h_c, t_c = hidden[rows], target[rows]
         e = e_buf[:m]
         part = _forward_pass(h_c, weight, bias, t_c, opts, cfg, num_tiles, 1,
-                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None)
+                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None,
+                             fold=(ref[rows], g[rows], r_star[rows], row_scale[rows], e_target[rows]) if fold else None)
+        if fold:
+            lce_store_fold_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
+                e, part, t_c, ref[rows], r_star[rows], e_target[rows],
+                m, v, e.stride(0), int(opts.ignore_index), E_CLAMP,
+                BLOCK_M=dz_cfg.block_m, BLOCK_N=cfg.block_n, num_warps=dz_cfg.num_warps,
+            )
+            scale = row_scale[rows, None]
+            e_op = e if e.dtype == hidden.dtype else e.to(hidden.dtype)  # interpreter: fp32 E, rounded as on the GPU
+            if need_h:
+                grad_h[rows] = _mm_fp32(e_op, weight).mul_(scale)
+            if need_w:
+                hs = (h_c.float() * scale).to(hidden.dtype)
+                if fp32_acc:
+                    accumulate_grad_hidden(acc_w, e_op.t(), hs, acc_cfg, precision)
+                else:
+                    _mm_into(grad_w, e_op.t(), hs, accumulate=i > 0)
+            continue
         dz = e.view(dz_dtype) if dz_dtype.itemsize == e_dtype.itemsize else e
         lce_store_dz_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
             e, dz, part, t_c, lse[rows], lse_lo[rows], st[rows] if need_st else None, g[rows], dbias,
