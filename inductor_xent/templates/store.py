@@ -21,7 +21,8 @@ Per row chunk the store strategy runs (launch.store):
 the forward computes anyway (it is the online logsumexp's exp), so the forward costs what the
 recompute strategy's forward costs plus one [N, V] store in 16 bits.
 
-**Folded** (no label smoothing, no z-loss, no bias gradient; bf16 or fp32): steps 3 and 4 become
+**Folded** (no label smoothing, no z-loss, no bias gradient; fp32, or bf16 in one row chunk:
+launch.folds says why): steps 3 and 4 become
 
 3. ``E`` is written relative to one reference per row, ``R* = max(ref, M − E_CLAMP)`` with ``ref``
    the target's logit (computed before the forward) and ``M`` the row max, so that the softmax is
