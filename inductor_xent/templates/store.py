@@ -46,7 +46,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, add_combine, cdiv, grouped_pid
+from .common import LOG2E, add_combine, cdiv, grouped_pid, max_combine
 
 # The folded path's E is at most exp(E_CLAMP) (exp(40) ~ 2e17: E·W sums over V stay far from the
 # fp32/bf16 range, and scale ≥ g·exp(−E_CLAMP − log V) stays normal); a row whose loss exceeds it
@@ -130,7 +130,7 @@ def lce_store_fold_kernel(
     r_star = tl.load(r_star_ptr + rows)
     v0 = pid_n * BLOCK_N
     rescale = valid & (r_star > ref)
-    if tl.max(rescale.to(tl.int32), 0) > 0:
+    if tl.reduce(rescale.to(tl.int32), 0, max_combine) > 0:
         offs_v = v0 + tl.arange(0, BLOCK_N)
         r_t = tl.maximum(ref, tl.load(part_ptr + pid_n.to(tl.int64) * N + rows) - e_clamp)
         f = tl.exp2((r_t - r_star) * LOG2E)
@@ -139,6 +139,6 @@ def lce_store_fold_kernel(
         e = tl.load(at, mask=live, other=0.0).to(tl.float32)
         tl.store(at, (e * f[:, None]).to(e_ptr.dtype.element_ty), mask=live)
     here = valid & (tgt >= v0) & (tgt < v0 + BLOCK_N)
-    if tl.max(here.to(tl.int32), 0) > 0:
+    if tl.reduce(here.to(tl.int32), 0, max_combine) > 0:
         value = tl.load(e_target_ptr + rows)
         tl.store(e_ptr + rows * stride_e_n + tl.where(here, tgt, 0), value.to(e_ptr.dtype.element_ty), mask=here)
