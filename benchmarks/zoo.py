@@ -7,7 +7,7 @@ many lm_head -> cross-entropy sites ``backend="inductor_xent"`` fused and why it
 others; and whether the compiled loss and every parameter gradient are within PyTorch's own error
 (``err(compiled) <= 4 * err(torch) + 1e-6``, both against a float64 copy of the model; see ``check``).
 
-    python benchmarks/zoo.py                      # the whole sweep (~16 minutes on 2 CPU cores)
+    python benchmarks/zoo.py                      # the whole sweep (~12 minutes on 2 CPU cores)
     python benchmarks/zoo.py llama gpt2 mixtral   # some model types
     python benchmarks/zoo.py --json out.json      # also write the rows
     python benchmarks/zoo.py --nested-graph-breaks   # with the opt-in INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1

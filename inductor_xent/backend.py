@@ -23,8 +23,8 @@ decide where it breaks the graph are set when this module is imported, which is 
 anything is traced; and again at each call of the backend (idempotent), for a transformers imported
 after ``torch.compile``. By default that only lets Dynamo skip transformers' ``warning_once`` calls;
 ``INDUCTOR_XENT_DYNAMO_TUNING=0`` switches it off, ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` also sets
-``nested_graph_breaks``. This is the one process-wide setting the package makes outside the backend's
-own config patches.
+``nested_graph_breaks``. These are the only Dynamo options the package sets, and the only settings
+it changes for the whole process without being asked (``install()`` is asked).
 """
 
 from __future__ import annotations

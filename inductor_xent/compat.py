@@ -160,7 +160,7 @@ def dtensor_method(node: torch.fx.Node) -> Optional[tuple[str, tuple, dict]]:
 
 
 def transformers_warning_once() -> Optional[Callable]:
-    """transformers' ``warning_once`` (an ``functools.lru_cache`` object that transformers sets as
+    """transformers' ``warning_once`` (a ``functools.lru_cache`` object that transformers sets as
     ``logging.Logger.warning_once``), or None when transformers is not imported; never imports it."""
     hf_logging = sys.modules.get("transformers.utils.logging")
     fn = getattr(hf_logging, "warning_once", None)
@@ -180,7 +180,7 @@ def tune_dynamo() -> dict:
 
     ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` (opt-in) also sets ``nested_graph_breaks = True``: a graph
     break inside ``forward`` (an ``.item()`` in a router) then no longer ends the graph at forward's
-    return, which hands the logits to the caller (7 more of the 189). Off by default: it changes how
+    return, which hands the logits to the caller (9 of the 189). Off by default: it changes how
     Dynamo handles every graph break in the process, and PyTorch still ships it off.
 
     The backend calls this when it is looked up and at each call; the options are process-wide (a

@@ -17,8 +17,8 @@ from . import compat, patterns
 from .patterns import ESCAPE_HINT, Site
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
-# benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning unless the default
-# Dynamo tuning skips it, 7 elsewhere in forward unless nested graph breaks are on)
+# benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, which the default
+# Dynamo tuning skips; 9 elsewhere in forward, which nested graph breaks fix)
 LOSS_TYPE_HINT = (
     "transformers logs a warning_once about loss_type=None inside forward (models whose class name gives "
     "no loss type, e.g. GPT2LMHeadModel) and Dynamo graph-breaks on a logging.Logger call; inductor_xent's "

@@ -105,4 +105,4 @@ def test_zoo_whole_sweep():
         if not r.ok:
             assert r.reasons and all(any(h in reason for h in HINTS) for reason in r.reasons), (r.model_type,
                                                                                                r.reasons)
-    assert sum(r.ok for r in built) >= 0.9 * len(built)
+    assert sum(r.ok for r in built) >= 0.94 * len(built)  # 178 of 189 with transformers 5.24 (94.2%)
