@@ -7,15 +7,19 @@ many lm_head -> cross-entropy sites ``backend="inductor_xent"`` fused and why it
 others; and whether the compiled loss and every parameter gradient are within PyTorch's own error
 (``err(compiled) <= 4 * err(torch) + 1e-6``, both against a float64 copy of the model; see ``check``).
 
-    python benchmarks/zoo.py                      # the whole sweep (~16 minutes on 2 CPU cores)
+    python benchmarks/zoo.py                      # the whole sweep (~12 minutes on 2 CPU cores)
     python benchmarks/zoo.py llama gpt2 mixtral   # some model types
     python benchmarks/zoo.py --json out.json      # also write the rows
-    python benchmarks/zoo.py --nested-graph-breaks --ignore-warning-once   # with the Dynamo settings
-                                                  # that the remaining declines name (see explain.py)
+    python benchmarks/zoo.py --nested-graph-breaks   # with the opt-in INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1
+    python benchmarks/zoo.py --no-dynamo-tuning   # INDUCTOR_XENT_DYNAMO_TUNING=0: Dynamo as torch ships it
 
-The compiled run uses the real backend with ``options={"xent.inner": "aot_eager"}`` (AOTAutograd,
-no code generation: the rewrite is the same, the run is fast on CPU); ``explain`` gives the reason
-of every site that was not fused.
+The sweep runs as a user's program would: transformers is imported, then
+``torch.compile(..., backend="inductor_xent")`` looks the backend up, which applies the Dynamo tuning
+of ``INDUCTOR_XENT_DYNAMO_TUNING`` / ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS`` (inductor_xent/compat.py,
+``tune_dynamo``); the two flags above set those variables (default: as in the environment). The
+compiled run uses the real backend with ``options={"xent.inner": "aot_eager"}`` (AOTAutograd, no code
+generation: the rewrite is the same, the run is fast on CPU); ``explain`` gives the reason of every
+site that was not fused.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 import traceback
@@ -432,41 +437,51 @@ def summary(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def _ignores_warning_once() -> bool:
+    from inductor_xent import compat
+
+    fn = compat.transformers_warning_once()
+    return fn is not None and fn in torch._dynamo.config.ignore_logging_functions
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("types", nargs="*", help="model types (default: all)")
     p.add_argument("--json", help="write the rows to this file")
     p.add_argument("--construct-only", action="store_true", help="only build and run eagerly")
     p.add_argument("-v", action="store_true", help="tracebacks of failures")
-    p.add_argument("--nested-graph-breaks", action="store_true",
-                   help="trace with torch._dynamo.config.nested_graph_breaks = True (what the breaks inside "
-                        "forward need)")
-    p.add_argument("--ignore-warning-once", action="store_true",
-                   help="trace with transformers' logger.warning_once in torch._dynamo.config."
-                        "ignore_logging_functions (no break on the loss_type warning, which is then not printed)")
+    p.add_argument("--dynamo-tuning", action=argparse.BooleanOptionalAction, default=None,
+                   help="INDUCTOR_XENT_DYNAMO_TUNING=1/0: Dynamo skips transformers' warning_once (the "
+                        "loss_type warning) or breaks the graph on it (default: the environment's, else on)")
+    p.add_argument("--nested-graph-breaks", action=argparse.BooleanOptionalAction, default=None,
+                   help="INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1/0: torch._dynamo.config.nested_graph_breaks = True "
+                        "(what the breaks inside forward need) or as torch ships it (default: the environment's, "
+                        "else off)")
     args = p.parse_args(argv)
+    for name, value in (("INDUCTOR_XENT_DYNAMO_TUNING", args.dynamo_tuning),
+                        ("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", args.nested_graph_breaks)):
+        if value is not None:
+            os.environ[name] = "1" if value else "0"
     warnings.filterwarnings("ignore")
     logging.getLogger("torch._dynamo").setLevel(logging.ERROR)  # the .item() graph-break advice, per model
     import transformers
-    import transformers.utils.logging as hf_logging
+
+    from inductor_xent import config
 
     transformers.logging.set_verbosity_error()
-    patches: dict[str, Any] = {}
-    if args.nested_graph_breaks:
-        patches["nested_graph_breaks"] = True
-    if args.ignore_warning_once:
-        patches["ignore_logging_functions"] = {*torch._dynamo.config.ignore_logging_functions,
-                                               hf_logging.warning_once}
     types = args.types or causal_lm_types()
     rows = []
-    with torch._dynamo.config.patch(**patches):
-        for t in types:
-            row = construct_only(t) if args.construct_only else check(t)
-            rows.append(row)
-            print(f"{row.model_type:28s} {'ok' if row.ok else '--'} {row.seconds:6.1f}s "
-                  f"{row.error or '; '.join(row.reasons)}", file=sys.stderr, flush=True)
+    for t in types:
+        row = construct_only(t) if args.construct_only else check(t)
+        rows.append(row)
+        print(f"{row.model_type:28s} {'ok' if row.ok else '--'} {row.seconds:6.1f}s "
+              f"{row.error or '; '.join(row.reasons)}", file=sys.stderr, flush=True)
     print(table(rows))
     print(summary(rows))
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"INDUCTOR_XENT_DYNAMO_TUNING={int(config.dynamo_tuning())} (Dynamo ignores transformers' warning_once: "
+          f"{_ignores_warning_once()}), INDUCTOR_XENT_NESTED_GRAPH_BREAKS={int(config.nested_graph_breaks())} "
+          f"(nested_graph_breaks: {torch._dynamo.config.nested_graph_breaks})")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0

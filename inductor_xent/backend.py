@@ -16,6 +16,15 @@ our own keys, prefixed ``xent.``:
   (bytes, ``"2GiB"``, or a fraction of the logits, ``"0.5x"``): how fused sites compute their
   gradients (inductor_xent/strategy.py); default from ``INDUCTOR_XENT_STRATEGY`` /
   ``INDUCTOR_XENT_STORE_BUDGET``.
+
+Dynamo options (``compat.tune_dynamo``): Dynamo traces before any backend runs, so the options that
+decide where it breaks the graph are set when this module is imported, which is when
+``torch.compile(..., backend="inductor_xent")`` looks the backend up through the entry point, before
+anything is traced; and again at each call of the backend (idempotent), for a transformers imported
+after ``torch.compile``. By default that only lets Dynamo skip transformers' ``warning_once`` calls;
+``INDUCTOR_XENT_DYNAMO_TUNING=0`` switches it off, ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` also sets
+``nested_graph_breaks``. These are the only Dynamo options the package sets, and the only settings
+it changes for the whole process without being asked (``install()`` is asked).
 """
 
 from __future__ import annotations
@@ -74,6 +83,7 @@ def config_patches(mode: Optional[str], inductor_options: dict) -> dict:
 
 def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
     """The backend: our rewrite on the Dynamo graph (torch IR, before autograd), then ``compile_fx``."""
+    compat.tune_dynamo()  # for the frames Dynamo traces from now on
     ours, theirs = split_options(options)
     patches = config_patches(mode, theirs)  # validates Inductor's keys whichever inner compiler runs
     if ours["enable"]:
@@ -82,3 +92,6 @@ def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Op
     if ours["inner"] == "aot_eager":
         return compat.aot_eager(gm, example_inputs)
     return compat.compile_fx(gm, example_inputs, patches)
+
+
+compat.tune_dynamo()  # at lookup: the entry point imports this module before Dynamo traces anything

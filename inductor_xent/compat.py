@@ -9,10 +9,15 @@
 * DTensor methods in Dynamo graphs: 2.13+ records ``dt.redistribute(...)`` / ``dt.to_local(...)`` as
   ``call_method`` nodes; 2.11 as a ``call_function`` of a closure named ``prim_redistribute`` /
   ``prim_to_local`` that holds the arguments (``dtensor_method`` reads both).
+* Dynamo's ``ignore_logging_functions`` (a set; ``LoggingLoggerVariable.call_method`` drops a
+  ``logging.Logger`` method call whose bound method or ``__func__`` is in it) and
+  ``nested_graph_breaks`` (a bool, off by default) exist in both; ``tune_dynamo`` sets them.
 """
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -26,6 +31,8 @@ try:  # 2.13+
 except ImportError:  # 2.11: one callable per hook
     _get_custom_graph_passes = None
     PASS_LISTS = False
+
+log = logging.getLogger(__name__)
 
 
 def custom_passes(value: Any) -> list:
@@ -150,3 +157,52 @@ def dtensor_method(node: torch.fx.Node) -> Optional[tuple[str, tuple, dict]]:
     if "args_as_value" not in cells or "kwargs_as_value" not in cells:
         return None
     return name[len("prim_"):], tuple(cells["args_as_value"]), dict(cells["kwargs_as_value"])
+
+
+def transformers_warning_once() -> Optional[Callable]:
+    """transformers' ``warning_once`` (a ``functools.lru_cache`` object that transformers sets as
+    ``logging.Logger.warning_once``), or None when transformers is not imported; never imports it."""
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    fn = getattr(hf_logging, "warning_once", None)
+    return fn if fn is not None and getattr(logging.Logger, "warning_once", None) is fn else None
+
+
+def tune_dynamo() -> dict:
+    """Set the Dynamo options that let real models fuse; idempotent; returns what it changed.
+
+    Dynamo graph-breaks on every ``logging.Logger`` call it traces. transformers logs a
+    ``warning_once`` about ``loss_type=None`` inside ``forward`` of the models whose class name gives
+    no loss type (GPT-2, BERT, CTRL, ... 7 of the 189 causal LMs of the zoo sweep), and that break
+    falls between the lm_head and the loss. So by default (``INDUCTOR_XENT_DYNAMO_TUNING``, config.py)
+    transformers' ``warning_once``, when transformers is already imported, joins
+    ``torch._dynamo.config.ignore_logging_functions``: no graph break on it, and compiled code does not
+    print such a warning (eager code still does). No other logging call is affected.
+
+    ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` (opt-in) also sets ``nested_graph_breaks = True``: a graph
+    break inside ``forward`` (an ``.item()`` in a router) then no longer ends the graph at forward's
+    return, which hands the logits to the caller (9 of the 189). Off by default: it changes how
+    Dynamo handles every graph break in the process, and PyTorch still ships it off.
+
+    The backend calls this when it is looked up and at each call; the options are process-wide (a
+    backend cannot scope them to its own frames: tests/test_backend.py), and a frame Dynamo traced
+    before they were set keeps its graph breaks until it is traced again.
+    """
+    from torch._dynamo import config as dynamo_config
+
+    from . import config
+
+    changed: dict[str, Any] = {}
+    warning_once = transformers_warning_once() if config.dynamo_tuning() else None
+    if warning_once is not None and warning_once not in dynamo_config.ignore_logging_functions:
+        # a new set: torch._dynamo.config.patch (tests, users) restores the old one on exit
+        dynamo_config.ignore_logging_functions = {*dynamo_config.ignore_logging_functions, warning_once}
+        changed["ignore_logging_functions"] = warning_once
+        log.info("inductor_xent: added transformers' logger.warning_once to "
+                 "torch._dynamo.config.ignore_logging_functions (no graph break on it; compiled code does not "
+                 "print it); INDUCTOR_XENT_DYNAMO_TUNING=0 leaves Dynamo's configuration alone")
+    if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
+        dynamo_config.nested_graph_breaks = True
+        changed["nested_graph_breaks"] = True
+        log.info("inductor_xent: set torch._dynamo.config.nested_graph_breaks = True "
+                 "(INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1)")
+    return changed

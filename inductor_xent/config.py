@@ -74,3 +74,29 @@ def dump_graphs() -> bool:
     """``INDUCTOR_XENT_DUMP_GRAPHS=1`` logs every graph before and after the pass (logger
     ``inductor_xent.patterns``, level INFO)."""
     return os.environ.get("INDUCTOR_XENT_DUMP_GRAPHS", "0") not in ("", "0")
+
+
+# the spellings of a yes/no environment variable (lower case), and what they mean
+_SWITCH = {"1": True, "true": True, "on": True, "yes": True, "0": False, "false": False, "off": False, "no": False}
+
+
+def _switch(name: str, default: bool) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in _SWITCH:
+        raise ValueError(f"{name}={value!r}; expected one of {', '.join(_SWITCH)}")
+    return _SWITCH[value]
+
+
+def dynamo_tuning() -> bool:
+    """``INDUCTOR_XENT_DYNAMO_TUNING``: ``1`` (default) lets Dynamo skip transformers' once-per-process
+    warnings (``logger.warning_once``) instead of graph-breaking on them; ``0`` leaves Dynamo's
+    configuration alone (``compat.tune_dynamo``)."""
+    return _switch("INDUCTOR_XENT_DYNAMO_TUNING", True)
+
+
+def nested_graph_breaks() -> bool:
+    """``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``: ``1`` sets ``torch._dynamo.config.nested_graph_breaks =
+    True`` for the whole process when the backend is looked up; ``0`` (default) leaves it as it is."""
+    return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", False)

@@ -5,28 +5,31 @@ or several joined by ``+`` when they share one op call).
 
 It compiles ``fn`` with a recording backend (Dynamo's graphs go through our pass, then run eagerly),
 calls it once with the given arguments and returns a ``Report``. Like ``torch._dynamo.explain`` it
-resets Dynamo before and after, so ``fn`` is traced from scratch.
+resets Dynamo before and after, so ``fn`` is traced from scratch; like the backend it first applies
+the Dynamo tuning (``compat.tune_dynamo``), so that it traces as ``backend="inductor_xent"`` would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import patterns
+from . import compat, patterns
 from .patterns import ESCAPE_HINT, Site
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
-# benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, 7 elsewhere in forward)
+# benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, which the default
+# Dynamo tuning skips; 9 elsewhere in forward, which nested graph breaks fix)
 LOSS_TYPE_HINT = (
     "transformers logs a warning_once about loss_type=None inside forward (models whose class name gives "
-    "no loss type, e.g. GPT2LMHeadModel) and Dynamo cannot trace a logging.Logger call: set "
-    "model.loss_type = 'ForCausalLM' once before compiling"
+    "no loss type, e.g. GPT2LMHeadModel) and Dynamo graph-breaks on a logging.Logger call; inductor_xent's "
+    "Dynamo tuning, which skips that call, was switched off (INDUCTOR_XENT_DYNAMO_TUNING=0): unset it, or "
+    "set model.loss_type = 'ForCausalLM' once before compiling"
 )
 NESTED_HINT = (
     "Dynamo graph-breaks inside the model's forward ({}), so the forward's last graph ends at its return "
-    "and hands the whole output, logits included, to the caller: remove that break, or set "
-    "torch._dynamo.config.nested_graph_breaks = True before the first call (Dynamo then keeps tracing "
-    "the caller, and a function that returns only the loss fuses)"
+    "and hands the whole output, logits included, to the caller: remove that break, or run with "
+    "INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1 (or set torch._dynamo.config.nested_graph_breaks = True before "
+    "the first call; Dynamo then keeps tracing the caller, and a function that returns only the loss fuses)"
 )
 
 
@@ -106,6 +109,7 @@ def explain(fn, *args, **kwargs) -> Report:
 
     from torch._dynamo.utils import counters
 
+    compat.tune_dynamo()
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
     try:

@@ -39,3 +39,18 @@ def fresh_dynamo():
     yield
     torch._dynamo.reset()
     inductor_xent.uninstall()
+
+
+@pytest.fixture
+def untuned_dynamo(monkeypatch):
+    """Dynamo's two options that ``compat.tune_dynamo`` sets, as a fresh process has them before the
+    backend is looked up (transformers' ``warning_once`` not ignored, no nested graph breaks), and
+    their environment variables unset; the test's changes to them are undone afterwards."""
+    from inductor_xent import compat
+
+    monkeypatch.delenv("INDUCTOR_XENT_DYNAMO_TUNING", raising=False)
+    monkeypatch.delenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", raising=False)
+    cfg = torch._dynamo.config
+    untuned = {f for f in cfg.ignore_logging_functions if f is not compat.transformers_warning_once()}
+    with cfg.patch(ignore_logging_functions=untuned, nested_graph_breaks=False):
+        yield cfg

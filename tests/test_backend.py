@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,7 +17,7 @@ import inductor_xent
 from inductor_xent import backend, compat, ops
 from inductor_xent import inductor_pass as install
 
-from .helpers import SPELLINGS, Recorder, assert_parity, fused_ops, leaves, make_inputs
+from .helpers import SPELLINGS, Recorder, V, assert_parity, counting, fused_ops, leaves, make_inputs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -195,12 +198,13 @@ def test_inductor_cpu_spellings(name):
 
 
 def test_torch_compile_drops_backend_ctx_ctor():
-    """Why the backend sets no Dynamo option (nested_graph_breaks, ignore_logging_functions) for its own
-    frames: the only per-backend hook, a ``backend_ctx_ctor`` attribute entered around the compiled
-    frames, is honoured by ``torch._dynamo.optimize`` but not by ``torch.compile``, which wraps every
-    backend (string or callable, with or without options) in ``_TorchCompileWrapper`` without it
-    (torch 2.11 and 2.13). And the backend itself runs only after Dynamo has traced. If this fails,
-    torch has started honouring the hook: those options can then be scoped to our frames."""
+    """Why the Dynamo tuning (``compat.tune_dynamo``: ignore_logging_functions, nested_graph_breaks) is
+    process-wide, not scoped to our own frames: the only per-backend hook, a ``backend_ctx_ctor``
+    attribute entered around the compiled frames, is honoured by ``torch._dynamo.optimize`` but not by
+    ``torch.compile``, which wraps every backend (string or callable, with or without options) in
+    ``_TorchCompileWrapper`` without it (torch 2.11 and 2.13). And the backend itself runs only after
+    Dynamo has traced. If this fails, torch has started honouring the hook: those options can then be
+    scoped to our frames."""
     entered = []
 
     class Recording:
@@ -225,3 +229,111 @@ def test_torch_compile_drops_backend_ctx_ctor():
     torch._dynamo.reset()
     torch._dynamo.optimize(recording_backend)(f)(x)
     assert entered
+
+
+# ---------------------------------------------------------------------------------------------
+# the Dynamo tuning (compat.tune_dynamo): applied at lookup and at each backend call
+# ---------------------------------------------------------------------------------------------
+def _logs_then_adds(logger, method="warning_once"):
+    def f(x):
+        y = x.sin()
+        getattr(logger, method)(f"a {method} inside a compiled function")
+        return y + 1
+
+    return f
+
+
+def test_dynamo_tuning_ignores_transformers_warning_once_only(untuned_dynamo):
+    """By default, with transformers imported, exactly transformers' ``warning_once`` joins
+    ``ignore_logging_functions`` (what ``logging.Logger.warning_once`` resolves to, whose bound
+    method's ``__func__`` Dynamo looks up), no other Dynamo option changes, a second call changes
+    nothing; and Dynamo then traces through ``warning_once`` but still breaks on ``warning``."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    cfg = untuned_dynamo
+    before = cfg.get_config_copy()
+    assert compat.tune_dynamo() == {"ignore_logging_functions": hf_logging.warning_once}
+    after = cfg.get_config_copy()
+    assert after.pop("ignore_logging_functions") == before.pop("ignore_logging_functions") | {hf_logging.warning_once}
+    assert after == before
+    assert logging.Logger.warning_once is hf_logging.warning_once
+    assert compat.tune_dynamo() == {}
+
+    logger = logging.getLogger("inductor_xent.tests")
+    frames = []
+    for f in (_logs_then_adds(logger), _logs_then_adds(logger, "warning")):
+        torch._dynamo.reset()
+        counter = torch._dynamo.testing.CompileCounter()
+        x = torch.randn(3)
+        torch.testing.assert_close(torch.compile(f, backend=counter)(x), f(x))
+        frames.append(counter.frame_count)
+    assert frames == [1, 2]
+
+
+def test_dynamo_tuning_applied_at_backend_call(untuned_dynamo):
+    """A transformers imported after ``torch.compile`` looked the backend up: the backend's call
+    applies the tuning, for the frames Dynamo traces next."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    torch.compile(lambda x: x.cos(), backend="inductor_xent", options={"xent.inner": "aot_eager"})(torch.randn(3))
+    assert hf_logging.warning_once in untuned_dynamo.ignore_logging_functions
+    assert untuned_dynamo.nested_graph_breaks is False
+
+
+def test_dynamo_tuning_off_or_no_transformers_changes_nothing(untuned_dynamo, monkeypatch):
+    """``INDUCTOR_XENT_DYNAMO_TUNING=0``, or transformers not imported (never imported by us): the
+    Dynamo configuration stays as it is, and the warning_once call breaks the graph as before."""
+    pytest.importorskip("transformers.utils.logging")
+    cfg = untuned_dynamo
+    before = cfg.get_config_copy()
+    monkeypatch.setenv("INDUCTOR_XENT_DYNAMO_TUNING", "0")
+    assert compat.tune_dynamo() == {} and cfg.get_config_copy() == before
+    counter = counting(backend.inductor_xent, **{"xent.inner": "aot_eager"})
+    torch.compile(_logs_then_adds(logging.getLogger("inductor_xent.tests")), backend=counter)(torch.randn(3))
+    assert counter.frame_count == 2 and cfg.get_config_copy() == before
+    monkeypatch.delenv("INDUCTOR_XENT_DYNAMO_TUNING")
+    for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert compat.tune_dynamo() == {} and cfg.get_config_copy() == before
+    assert "transformers.utils.logging" not in sys.modules
+
+
+@pytest.mark.parametrize("name", ["INDUCTOR_XENT_DYNAMO_TUNING", "INDUCTOR_XENT_NESTED_GRAPH_BREAKS"])
+def test_dynamo_tuning_bad_value_names_accepted_values(untuned_dynamo, monkeypatch, name):
+    monkeypatch.setenv(name, "maybe")
+    message = f"{name}='maybe'; expected one of 1, true, on, yes, 0, false, off, no"
+    with pytest.raises(ValueError, match=message):
+        compat.tune_dynamo()
+    with pytest.raises(Exception, match=message):  # through torch.compile: Dynamo wraps the backend's error
+        torch.compile(lambda x: x.cos(), backend="inductor_xent")(torch.randn(3))
+
+
+def _forward_with_item(x, W, y):
+    """A model's forward that graph-breaks before its lm_head (an ``.item()``, as in some MoE routers)
+    and returns the logits beside the loss, like a transformers ``CausalLMOutput``."""
+    if x.detach().abs().max().item() >= 0:
+        x = torch.relu(x)
+    logits = F.linear(x, W)
+    return {"loss": F.cross_entropy(logits.view(-1, V), y.view(-1)), "logits": logits}
+
+
+def test_nested_graph_breaks_opt_in(untuned_dynamo, monkeypatch):
+    """Off by default: the forward's last graph returns the logits and the site declines. With
+    ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` the backend sets ``nested_graph_breaks`` (at lookup, and at
+    its first call for the frames traced next) and a loss-only function around that forward fuses,
+    loss and gradients within torch's error."""
+    ins = {k: make_inputs()[k] for k in ("x", "W", "y")}
+
+    def loss_only(x, W, y):
+        return _forward_with_item(x, W, y)["loss"]
+
+    aot = {"xent.inner": "aot_eager"}
+    assert_parity(loss_only, ins, counting(backend.inductor_xent, **aot), what="nested off")
+    assert counters["inductor_xent"]["sites_fused"] == 0 and counters["inductor_xent"]["sites_declined"] >= 1
+    assert untuned_dynamo.nested_graph_breaks is False
+
+    monkeypatch.setenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "1")
+    torch._dynamo.reset()
+    counters.clear()
+    torch.compile(lambda x: x.cos(), backend="inductor_xent", options=aot)(torch.randn(3))
+    assert untuned_dynamo.nested_graph_breaks is True
+    assert_parity(loss_only, ins, counting(backend.inductor_xent, **aot), what="nested on")
+    assert counters["inductor_xent"]["sites_fused"] == 1 and counters["inductor_xent"]["sites_declined"] == 0

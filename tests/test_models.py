@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from torch._dynamo.utils import counters
 transformers = pytest.importorskip("transformers")
 
 import inductor_xent  # noqa: E402
+from inductor_xent import compat  # noqa: E402
 from inductor_xent.backend import inductor_xent as xent_backend  # noqa: E402
 
 from .helpers import assert_within_torch_error, counting  # noqa: E402
@@ -44,8 +49,10 @@ ZOO = {
     "qwen2": (lambda v: transformers.Qwen2Config(vocab_size=v, **_COMMON), 103),
     # final_logit_softcapping = 30 (div -> tanh -> mul) and tied embeddings
     "gemma2": (lambda v: transformers.Gemma2Config(vocab_size=v, head_dim=16, **_COMMON), 107),
-    # tied lm_head / wte, Conv1D blocks, learned positions
-    "gpt2": (lambda v: transformers.GPT2Config(vocab_size=v, n_embd=32, n_layer=1, n_head=2, n_positions=64), 257),
+    # tied lm_head / wte, Conv1D blocks, learned positions; no dropout (GPT-2's default is 0.1, and in
+    # training mode each run would draw other masks, which would loosen the float64 comparison)
+    "gpt2": (lambda v: transformers.GPT2Config(vocab_size=v, n_embd=32, n_layer=1, n_head=2, n_positions=64,
+                                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0), 257),
     "phi3": (lambda v: transformers.Phi3Config(vocab_size=v, pad_token_id=0, **_COMMON), 109),
     "olmo2": (lambda v: transformers.Olmo2Config(vocab_size=v, pad_token_id=0, **_COMMON), 113),
     # logits * logit_scale (a Python float), tied embeddings
@@ -58,17 +65,18 @@ ZOO = {
 }
 
 
-def build(name: str, dtype=DTYPE, seed: int = 0):
+def build(name: str, dtype=DTYPE, seed: int = 0, gpt2_loss_type: Optional[str] = "ForCausalLM"):
     make_config, vocab = ZOO[name]
     torch.manual_seed(seed)
     config = make_config(vocab)
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE, dtype)
     if name == "gpt2":
-        # GPT2LMHeadModel's class name gives no known loss_type, so `self.loss_function` logs a
-        # warning, and that logging call is a graph break between the lm_head and the loss (with
-        # any backend; see test_gpt2_default_loss_type_graph_break). Users set this once.
-        model.loss_type = "ForCausalLM"
+        # GPT2LMHeadModel's class name gives no known loss_type (transformers leaves None), so
+        # `self.loss_function` logs a warning_once inside forward, a graph break between the lm_head
+        # and the loss unless the backend's Dynamo tuning was applied before the first trace, which
+        # depends on the order tests run in; test_gpt2_without_loss_type_* test None.
+        model.loss_type = gpt2_loss_type
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=g).to(DEVICE)
     labels = ids.clone()
@@ -87,18 +95,20 @@ def _loss_and_grads(model, fn, ids, labels):
     return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def check_model(name: str, backend):
-    model, ids, labels = build(name)
+def check_model(name: str, backend, fused: int = 1, **build_kwargs):
+    """``fused`` sites fused (and the rest declined), loss and every gradient within torch's error."""
+    model, ids, labels = build(name, **build_kwargs)
     ref = copy.deepcopy(model).double()
     l64, g64 = _loss_and_grads(ref, loss_fn(ref), ids, labels)
     le, ge = _loss_and_grads(model, loss_fn(model), ids, labels)
     lc, gc = _loss_and_grads(model, torch.compile(loss_fn(model), backend=backend), ids, labels)
-    assert counters["inductor_xent"]["sites_fused"] == 1, dict(counters["inductor_xent"])
-    assert counters["inductor_xent"]["sites_declined"] == 0, dict(counters["inductor_xent"])
+    assert counters["inductor_xent"]["sites_fused"] == fused, dict(counters["inductor_xent"])
+    assert (counters["inductor_xent"]["sites_declined"] == 0) == bool(fused), dict(counters["inductor_xent"])
     assert set(gc) == set(ge)
     assert_within_torch_error(lc, le, l64, what=f"{name} loss")
     for k in ge:
         assert_within_torch_error(gc[k], ge[k], g64[k], what=f"{name} grad {k}")
+    return model, ids, labels
 
 
 @pytest.mark.parametrize("name", sorted(ZOO))
@@ -190,12 +200,82 @@ def test_whole_model_allow_escaping_logits():
     assert counters["inductor_xent"]["sites_fused"] == 1
 
 
-def test_gpt2_default_loss_type_graph_break():
-    """Without loss_type, transformers graph-breaks between lm_head and loss: explain says so."""
-    model, ids, labels = build("gpt2")
-    del model.loss_type
+def test_gpt2_without_loss_type_fuses(untuned_dynamo):
+    """GPT2LMHeadModel as transformers builds it (loss_type None): the Dynamo tuning that looking
+    the backend up applies lets Dynamo skip transformers' loss_type warning_once, so the site fuses,
+    loss and gradients within torch's error, with no change to the model or the call."""
+    compat.tune_dynamo()  # what the lookup does in a fresh process (test_gpt2_..._fresh_process checks that)
+    check_model("gpt2", "inductor_xent", gpt2_loss_type=None)
+
+
+def test_gpt2_without_loss_type_tuning_off(untuned_dynamo, monkeypatch):
+    """``INDUCTOR_XENT_DYNAMO_TUNING=0``: the warning breaks the graph between lm_head and loss, the
+    site declines (the result is still eager's), and explain names both ways out."""
+    monkeypatch.setenv("INDUCTOR_XENT_DYNAMO_TUNING", "0")
+    compat.tune_dynamo()
+    model, ids, labels = check_model("gpt2", "inductor_xent", fused=0, gpt2_loss_type=None)
     report = inductor_xent.explain(loss_fn(model), ids, labels)
     assert report.graph_break_count >= 1 and report.fused_count == 0
     assert [s.fused for s in report.sites] == [False]
-    assert "graph break separates the lm_head matmul from the loss" in report.sites[0].reason
-    assert "set model.loss_type = 'ForCausalLM'" in report.sites[0].reason
+    reason = report.sites[0].reason
+    assert "graph break separates the lm_head matmul from the loss" in reason
+    assert "INDUCTOR_XENT_DYNAMO_TUNING=0" in reason and "set model.loss_type = 'ForCausalLM'" in reason
+
+
+# the user's program in a process of its own: transformers imported, then torch.compile; nothing else
+_FRESH_PROCESS = """
+import sys
+from importlib.metadata import entry_points
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+
+if not any(ep.name == "inductor_xent" for ep in entry_points(group="torch_dynamo_backends")):
+    import inductor_xent  # a source tree (no pip install): importing the package registers the backend
+
+torch.manual_seed(0)
+config = transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0,
+                                 embd_pdrop=0.0, attn_pdrop=0.0)
+model = transformers.GPT2LMHeadModel(config)
+ids = torch.randint(0, 257, (2, 12))
+compiled = torch.compile(lambda ids, labels: model(input_ids=ids, labels=labels).loss, backend="inductor_xent",
+                         options={"xent.inner": "aot_eager"})
+loss = compiled(ids, ids)
+loss.backward()
+torch.save({"state": model.state_dict(), "ids": ids, "loss": loss.detach(),
+            "grads": {k: p.grad for k, p in model.named_parameters()}, "counters": dict(counters["inductor_xent"]),
+            "breaks": sum(counters["graph_break"].values())}, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_gpt2_without_loss_type_fuses_in_a_fresh_process(tmp_path):
+    """The user's path itself: a process that imports transformers and compiles GPT-2's loss with
+    backend="inductor_xent" (the lookup imports backend.py, which applies the tuning before Dynamo
+    traces) fuses the site with no graph break; loss and gradients within torch's error."""
+    script, out = tmp_path / "user.py", tmp_path / "out.pt"
+    script.write_text(_FRESH_PROCESS)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for name in ("INDUCTOR_XENT_DYNAMO_TUNING", "INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "INDUCTOR_XENT_TEST_DEVICE"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, str(script), str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(out)
+    assert got["counters"].get("sites_fused") == 1 and not got["counters"].get("sites_declined"), got["counters"]
+    assert got["breaks"] == 0
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=257, n_embd=32, n_layer=1, n_head=2, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    model.load_state_dict(got["state"])
+    model.loss_type = "ForCausalLM"  # eager: the same loss, without the warning
+    ids = got["ids"]
+    ref = copy.deepcopy(model).double()
+    l64, g64 = _loss_and_grads(ref, loss_fn(ref), ids, ids)
+    le, ge = _loss_and_grads(model, loss_fn(model), ids, ids)
+    assert_within_torch_error(got["loss"], le, l64, what="gpt2 loss")
+    assert set(got["grads"]) == set(ge)
+    for k in ge:
+        assert_within_torch_error(got["grads"][k], ge[k], g64[k], what=f"gpt2 grad {k}")

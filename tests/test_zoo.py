@@ -19,7 +19,17 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "as_a_user")
+
+
+@pytest.fixture
+def as_a_user(untuned_dynamo):
+    """Dynamo tuned as in the user's process, which imports transformers and then looks the backend up
+    (here the backend may have been imported before transformers, and a first trace would come too
+    soon for the tuning its first call applies); undone afterwards."""
+    from inductor_xent import compat
+
+    compat.tune_dynamo()
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py"
 _spec = importlib.util.spec_from_file_location("inductor_xent_zoo", _PATH)
@@ -35,14 +45,15 @@ FUSED = {
     "recurrent_gemma": "F.tanh(logits / cap) * cap softcap",
     "prophetnet": "logits.transpose(0, 1) of [B, ngram, T, V], then log_softmax + nll_loss",
     "dory": "a learned per-vocabulary logit scale folded into the weight",
+    "gpt2": "no loss_type: transformers' warning_once inside forward, skipped by the default Dynamo tuning",
 }
 # model_type -> what the decline must tell the user to change (the result is still eager's)
 DECLINED = {
-    "gpt2": "set model.loss_type = 'ForCausalLM'",  # transformers' loss_type warning breaks the graph
-    "xlm": "nested_graph_breaks = True",  # an .item() in forward: its last graph returns the logits
+    "xlm": "INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1",  # an .item() in forward: its last graph returns the logits
     "musicgen": "stacked",  # four codebook heads stacked, then indexed
 }
-# words in every remaining decline's reason that name what to change
+# words in every remaining decline's reason that name what to change (model.loss_type: only with
+# INDUCTOR_XENT_DYNAMO_TUNING=0)
 HINTS = ("model.loss_type", "nested_graph_breaks", "stacked heads")
 
 
@@ -94,4 +105,4 @@ def test_zoo_whole_sweep():
         if not r.ok:
             assert r.reasons and all(any(h in reason for h in HINTS) for reason in r.reasons), (r.model_type,
                                                                                                r.reasons)
-    assert sum(r.ok for r in built) >= 0.9 * len(built)
+    assert sum(r.ok for r in built) >= 0.94 * len(built)  # 178 of 189 with transformers 5.24 (94.2%)
