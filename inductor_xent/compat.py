@@ -11,7 +11,8 @@
   ``prim_to_local`` that holds the arguments (``dtensor_method`` reads both).
 * Dynamo's ``ignore_logging_functions`` (a set; ``LoggingLoggerVariable.call_method`` drops a
   ``logging.Logger`` method call whose bound method or ``__func__`` is in it) and
-  ``nested_graph_breaks`` (a bool, off by default) exist in both; ``tune_dynamo`` sets them.
+  ``nested_graph_breaks`` (a bool, off by default) exist in both; ``tune_dynamo`` sets them. 2.11's
+  compilation-metrics log cannot write a function in the first (``_LoggableFunction``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,49 @@ def transformers_warning_once() -> Optional[Callable]:
     return fn if fn is not None and getattr(logging.Logger, "warning_once", None) is fn else None
 
 
+class _LoggableFunction(str):
+    """A function as a member of a Dynamo option set that Dynamo's compilation-metrics log can write.
+
+    torch 2.11 writes its whole Dynamo configuration with ``json.dumps`` at the end of every
+    compilation and leaves ``ignore_logging_functions`` off its blocklist (2.13 has it on), so a
+    function in that set makes every compilation log "Unexpected exception logging compilation
+    metrics ... _lru_cache_wrapper is not JSON serializable". This stand-in is written as the
+    function's name and is equal to the function (same hash), which is all Dynamo's membership test
+    (``method in ignore_set or function in ignore_set``) asks of it."""
+
+    def __new__(cls, fn: Callable):
+        self = super().__new__(cls, f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}")
+        self.fn = fn
+        return self
+
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __eq__(self, other) -> bool:
+        return other is self.fn or (isinstance(other, _LoggableFunction) and other.fn is self.fn)
+
+    def __ne__(self, other) -> bool:
+        return not self.__eq__(other)
+
+    def __reduce__(self):
+        return (_LoggableFunction, (self.fn,))
+
+
+def _loggable(dynamo_config, fn: Callable) -> Callable:
+    """``fn``, or its stand-in where this torch's metrics log cannot write it (_LoggableFunction)."""
+    from torch._dynamo import utils as dynamo_utils
+
+    probe = getattr(dynamo_utils, "_get_dynamo_config_for_logging", None)
+    if probe is None:
+        return fn
+    with dynamo_config.patch(ignore_logging_functions={*dynamo_config.ignore_logging_functions, fn}):
+        try:
+            probe()
+        except TypeError:
+            return _LoggableFunction(fn)
+    return fn
+
+
 def tune_dynamo() -> dict:
     """Set the Dynamo options that let real models fuse; idempotent; returns what it changed.
 
@@ -195,7 +239,8 @@ def tune_dynamo() -> dict:
     warning_once = transformers_warning_once() if config.dynamo_tuning() else None
     if warning_once is not None and warning_once not in dynamo_config.ignore_logging_functions:
         # a new set: torch._dynamo.config.patch (tests, users) restores the old one on exit
-        dynamo_config.ignore_logging_functions = {*dynamo_config.ignore_logging_functions, warning_once}
+        dynamo_config.ignore_logging_functions = {*dynamo_config.ignore_logging_functions,
+                                                  _loggable(dynamo_config, warning_once)}
         changed["ignore_logging_functions"] = warning_once
         log.info("inductor_xent: added transformers' logger.warning_once to "
                  "torch._dynamo.config.ignore_logging_functions (no graph break on it; compiled code does not "

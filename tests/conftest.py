@@ -51,6 +51,6 @@ def untuned_dynamo(monkeypatch):
     monkeypatch.delenv("INDUCTOR_XENT_DYNAMO_TUNING", raising=False)
     monkeypatch.delenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", raising=False)
     cfg = torch._dynamo.config
-    untuned = {f for f in cfg.ignore_logging_functions if f is not compat.transformers_warning_once()}
+    untuned = {f for f in cfg.ignore_logging_functions if not f == compat.transformers_warning_once()}
     with cfg.patch(ignore_logging_functions=untuned, nested_graph_breaks=False):
         yield cfg

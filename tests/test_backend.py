@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import pickle
 import sys
 
 import pytest
@@ -267,6 +269,19 @@ def test_dynamo_tuning_ignores_transformers_warning_once_only(untuned_dynamo):
         torch.testing.assert_close(torch.compile(f, backend=counter)(x), f(x))
         frames.append(counter.frame_count)
     assert frames == [1, 2]
+
+
+def test_dynamo_tuning_keeps_dynamo_compilation_metrics_loggable(untuned_dynamo):
+    """torch 2.11 json-dumps Dynamo's configuration after every compilation, without leaving
+    ``ignore_logging_functions`` out: a function there made each compilation log "Unexpected
+    exception logging compilation metrics" (seen on the H200 box); the set then holds a stand-in."""
+    hf_logging = pytest.importorskip("transformers.utils.logging")
+    probe = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
+    compat.tune_dynamo()
+    assert hf_logging.warning_once in untuned_dynamo.ignore_logging_functions
+    if probe is not None:
+        json.loads(probe())
+    assert pickle.loads(pickle.dumps(untuned_dynamo.ignore_logging_functions)) == untuned_dynamo.ignore_logging_functions
 
 
 def test_dynamo_tuning_applied_at_backend_call(untuned_dynamo):
