@@ -35,11 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import DATA, IGNORE_INDEX, SHAPES, make_data  # noqa: E402
 
 # ours: the functional API with strategy auto; ours_recompute / ours_store: each strategy forced;
-# ours_store_dz: store without its folded path (the dz pass of templates/store.py; an A/B of the fold);
 # ours_compiled: the product path, torch.compile(..., backend="inductor_xent") of the eager spelling
 METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "cce", "ours", "ours_recompute", "ours_store",
-           "ours_store_dz", "ours_compiled")
-OURS = ("ours", "ours_recompute", "ours_store", "ours_store_dz", "ours_compiled")
+           "ours_compiled")
+OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled")
 MiB = 2**20
 # --scan: time and memory against V (N, D fixed at llama3-8b's) and against N (D, V fixed); gauss data
 SCAN_V = (32000, 50257, 128256, 256000)
@@ -66,7 +65,7 @@ def strategy_of(name, h, w):
     """The strategy ``auto`` takes for these inputs (what "ours" and "ours_compiled" run)."""
     from inductor_xent import strategy
 
-    if name in ("ours_recompute", "ours_store", "ours_store_dz"):
+    if name in ("ours_recompute", "ours_store"):
         return name[5:]
     p = strategy.plan(h.shape[0], h.shape[1], w.shape[0], h.dtype, w.dtype, reduction="mean",
                       needs=(True, True, False))
@@ -113,18 +112,7 @@ def _build(name):
 
         if name == "ours_compiled":
             return torch.compile(_eager_ours, backend="inductor_xent", dynamic=False)
-        which = {"ours": None, "ours_recompute": "recompute", "ours_store": "store", "ours_store_dz": "store"}[name]
-        if name == "ours_store_dz":
-            from inductor_xent.templates import launch
-
-            def unfolded(h, w, t):
-                folds, launch.folds = launch.folds, lambda *a: False  # noqa: E731
-                try:
-                    return linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX, strategy=which)
-                finally:
-                    launch.folds = folds
-
-            return unfolded
+        which = {"ours": None, "ours_recompute": "recompute", "ours_store": "store"}[name]
         return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX, strategy=which)
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
 

@@ -5,11 +5,12 @@
 #   store   the store strategy's weight-gradient accumulation options (bench kernels --store-options)
 #   quick   bench kernels, gauss, the main methods and Liger, all three shapes
 #   full    bench kernels, gauss and zipf, every method
+#   llama   bench kernels at llama3-8b, gauss: cuBLAS, torch.compile and ours (when a call has little time)
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
-#   profile kernel time per method (torch.profiler) at llama3-8b: compile, store folded and with the
-#           dz pass, store in one chunk
+#   profile kernel time per method (torch.profiler) at llama3-8b: compile and store, store in one
+#           chunk (an 8 GiB budget)
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -51,11 +52,13 @@ for step in ${STEPS//,/ }; do
         final) # the table in one run: peers, every strategy, llama3-8b on both data sets
                mkdir -p "$OUT/llama" "$OUT/others"
                timeout 260 $BENCH --quick --shapes llama3-8b --out "$OUT/llama" \
-                   --methods cublas,compile,liger,cce,ours,ours_recompute,ours_store,ours_store_dz,ours_compiled 2>&1 \
+                   --methods cublas,compile,liger,cce,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/bench_llama.log" | grep -E "^\||error"
                timeout 200 $BENCH --quick --shapes gemma2-2b,gpt2 --data gauss --out "$OUT/others" \
                    --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/bench_others.log" | grep -E "^\||error" ;;
+        llama) timeout 220 $BENCH --quick --shapes llama3-8b --data gauss \
+                   --methods cublas,compile,ours,ours_recompute,ours_compiled 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         sweep) timeout 200 $BENCH --sweep --quick --shapes llama3-8b \
                    --configs m128n256k64w8s3,m128n256k64w8s4,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma 2>&1 \
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
@@ -63,7 +66,7 @@ for step in ${STEPS//,/ }; do
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
         rl)    timeout 150 python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
-        profile) { timeout 120 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_store_dz
+        profile) { timeout 120 $BENCH --profile --shapes llama3-8b --methods compile,ours_store
                    INDUCTOR_XENT_STORE_BUDGET=8GiB timeout 60 $BENCH --profile --shapes llama3-8b --methods ours_store; } 2>&1 \
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -80 ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \

@@ -244,10 +244,15 @@ def _store_setup_context(ctx, inputs, output):
     _, grad_h, grad_w, grad_b = output
     ctx.save_for_backward(grad_h, grad_w, grad_b)
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
+    # the three gradient outputs get no incoming gradient: without this autograd fills a zero one
+    # for each (the weight gradient's size: 1 GiB at llama3-8b, 0.33 ms on the H200)
+    ctx.set_materialize_grads(False)
     ctx.computed = tuple(inputs[-3:])  # needs_hidden, needs_weight, needs_bias
 
 
 def _store_backward(ctx, grad_loss, *_unused):
+    if grad_loss is None:  # not materialised (setup_context): nothing flows into the loss
+        return (None,) * 15
     grads = []
     for name, want, computed, g in zip(("hidden", "weight", "bias"), ctx.needs_input_grad[:3], ctx.computed,
                                        ctx.saved_tensors):
@@ -256,9 +261,17 @@ def _store_backward(ctx, grad_loss, *_unused):
         elif not computed:
             raise RuntimeError(f"inductor_xent: strategy 'store' computed no gradient for {name} in the forward "
                                f"(needs_{name}=False) but autograd asks for one")
-        else:
-            grads.append(g * grad_loss)  # 0-dim grad_loss: the result keeps g's dtype, rounded once
+        else:  # 0-dim grad_loss: the result keeps g's dtype, rounded once
+            grads.append(_scaled(g, grad_loss))
     return (*grads, *(None,) * 12)
+
+
+def _scaled(g: Tensor, grad_loss: Tensor) -> Tensor:
+    """``g * grad_loss``: eagerly on the Triton path a blocked kernel (launch.scaled: the same bits,
+    ~4x faster than torch's mixed-dtype product); under torch.compile Inductor generates the product."""
+    if torch.compiler.is_compiling() or not use_triton(g):
+        return g * grad_loss
+    return _kernels(g).scaled(g, grad_loss)
 
 
 linear_ce_store.register_autograd(_store_backward, setup_context=_store_setup_context)

@@ -114,20 +114,18 @@ def store_unsupported(reduction: str, label_smoothing: float, softcap: Optional[
 def store_bytes(n: int, v: int, d: int, itemsize: int, weight_itemsize: int, chunk_rows: int,
                 need_weight: bool) -> tuple[int, bool]:
     """(extra bytes, fp32 accumulator?) of ``store`` with chunks of ``chunk_rows`` rows: the chunk of
-    exp-logits (16 bits for 16-bit inputs, fp32 for fp32), its per-tile partials and [rows, D]
-    temporaries, plus the fp32 weight-gradient accumulator where the precision rule asks for one.
-    The gradients themselves are not counted: they are the gradients (under torch.compile the
-    backward's scaling reuses their buffers, AOTAutograd's donated buffers; eagerly it makes one
-    more copy of them)."""
+    exp-logits (fp16 for 16-bit inputs, fp32 for fp32) and its per-tile partials, plus the fp32
+    weight-gradient accumulator where the precision rule asks for one. The gradients themselves are
+    not counted: they are the gradients (under torch.compile the backward's scaling reuses their
+    buffers, AOTAutograd's donated buffers; eagerly it makes one more copy of them)."""
     chunks = -(-n // max(1, chunk_rows))
     fp32_acc = weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS and need_weight
-    return chunk_rows * _per_row(v, d, itemsize) + (v * d * 4 if fp32_acc else 0), fp32_acc
+    return chunk_rows * _per_row(v, itemsize) + (v * d * 4 if fp32_acc else 0), fp32_acc
 
 
-def _per_row(v: int, d: int, itemsize: int) -> int:
-    """Bytes per row of a chunk: the exp-logits, three fp32 partials per vocabulary tile, and the
-    folded path's (templates/store.py) fp32 E·W product and scaled hidden row."""
-    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE)) * 12 + d * (4 + itemsize)
+def _per_row(v: int, itemsize: int) -> int:
+    """Bytes per row of a chunk: the exp-logits and three fp32 partials per vocabulary tile."""
+    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE)) * 12
 
 
 # N to plan for when the rows are a dynamic size under torch.compile (the decision must not
@@ -146,7 +144,7 @@ def chunk_rows(n: int, v: int, d: int, dtype: torch.dtype, weight_dtype: torch.d
     kind, amount = parse_budget(budget)
     itemsize, w_itemsize = torch.finfo(dtype).bits // 8, torch.finfo(weight_dtype).bits // 8
     limit = amount * (n * v * itemsize if kind == "logits" else 1)
-    per_row = _per_row(v, d, itemsize)
+    per_row = _per_row(v, itemsize)
     for acc_bytes in (0, v * d * 4):
         rows = int((limit - acc_bytes) // per_row) if limit > acc_bytes else 0
         if rows >= n:

@@ -136,55 +136,17 @@ def test_store_many_chunks_matches_reference(monkeypatch):
     compare(h, w, b, t, dict(z_loss=1e-4), "store")
 
 
-@pytest.fixture
-def folded_launches(monkeypatch):
-    """store's folded path (templates/store.py: no smoothing, z-loss or bias gradient; bf16 in one
-    row chunk, which a 4x budget gives): how many chunks took it (a test of it that silently ran
-    the dz path passes)."""
-    from inductor_xent.templates import launch
-
-    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", "4x")
-    calls, kernel = [], launch.lce_store_fold_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(launch, "lce_store_fold_kernel", Spy())
-    return calls
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n, d, v, scale", [(512, 1024, 128256, 3.0), (1000, 768, 50257, 3.0),
-                                            (384, 640, 50257, 150.0)])  # logits std ~150: rows rescaled
-def test_store_folded_matches_reference(folded_launches, dtype, n, d, v, scale):
-    compare(*make(n, d, v, dtype, scale=scale, seed=6), {}, "store")
-    assert folded_launches
-
-
-def test_store_folded_softcap_scale_transposed(folded_launches):
-    h, w, _, t = make(384, 640, 50257, torch.bfloat16, scale=12.0, seed=1)
-    compare(h, w.t().contiguous().t(), None, t, dict(logit_scale=0.8, softcap=15.0), "store")
-    assert folded_launches
-
-
-@pytest.mark.parametrize("strategy", ["recompute", "store", "store_folded"])
-def test_deterministic(request, strategy):
-    folded = strategy == "store_folded"
-    if folded:
-        assert request.getfixturevalue("folded_launches") == []
-    h, w, b, t = make(1024, 1024, 128256, torch.bfloat16, bias=not folded, seed=2)
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_deterministic(strategy):
+    h, w, b, t = make(1024, 1024, 128256, torch.bfloat16, bias=True, seed=2)
     red = "none" if strategy == "recompute" else "mean"
     g = torch.rand(1024, device="cuda") if red == "none" else torch.ones((), device="cuda")
     fn = lambda hh, ww, bb: inductor_xent.linear_cross_entropy(  # noqa: E731
-        hh, ww, t, bias=bb, reduction=red, label_smoothing=0.0 if folded else 0.1,
-        strategy="store" if folded else strategy)
+        hh, ww, t, bias=bb, reduction=red, label_smoothing=0.1, strategy=strategy)
     first = loss_and_grads(fn, h, w, b, t, g)
     second = loss_and_grads(fn, h, w, b, t, g)
     for x, y in zip(first, second):
         assert torch.equal(x, y)
-    assert not folded or request.getfixturevalue("folded_launches")
 
 
 @pytest.mark.parametrize("strategy, budget", [("recompute", None), ("store", "1x")])
@@ -220,21 +182,17 @@ def test_peak_memory_llama3_8b(strategy, budget):
     assert extra <= limit, f"extra peak {extra / 2**20:.0f} MiB"
 
 
-@pytest.mark.parametrize("strategy", ["recompute", "store", "store_folded"])
-def test_cuda_graph_capture(request, strategy):
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+def test_cuda_graph_capture(strategy):
     """Forward + backward through the public op, captured once and replayed: no host syncs."""
-    folded = strategy == "store_folded"
-    launches = request.getfixturevalue("folded_launches") if folded else None
     h, w, b, t = make(512, 512, 50257, torch.bfloat16, bias=True, seed=3)
     h.requires_grad_()
     w.requires_grad_()
-    b.requires_grad_(not folded)
-    leaves = (h, w) if folded else (h, w, b)
+    b.requires_grad_()
 
     def step():  # detached outputs: no autograd node (made on another stream) outlives a step
-        loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.0 if folded else 0.1,
-                                                  strategy="store" if folded else strategy)
-        return (loss.detach(),) + torch.autograd.grad(loss, leaves)
+        loss = inductor_xent.linear_cross_entropy(h, w, t, bias=b, label_smoothing=0.1, strategy=strategy)
+        return (loss.detach(),) + torch.autograd.grad(loss, (h, w, b))
 
     expected = step()
     stream = torch.cuda.Stream()
@@ -250,7 +208,6 @@ def test_cuda_graph_capture(request, strategy):
     torch.cuda.synchronize()
     for x, y in zip(captured, expected):
         assert torch.equal(x, y)
-    assert not folded or launches
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "store"])

@@ -405,54 +405,17 @@ def test_store_two_chunks_bf16_accumulates_in_the_weight_dtype():
                 chunk_rows=16)
 
 
-FOLDED = {  # store's folded path (store.py): no smoothing, no z-loss, no bias gradient
-    "plain": (dict(), LossOptions()),
-    "scale_softcap_strided": (dict(scale=6.0, transposed_weight=True, strided_hidden=True),
-                              LossOptions(logit_scale=0.7, softcap=3.0)),
-    "ignore_valid_id": (dict(ignore_index=5), LossOptions(ignore_index=5)),
-    # logits with std ~60: most rows have a loss over E_CLAMP and are rescaled in place
-    "large_losses": (dict(scale=60.0), LossOptions()),
-}
-
-
-@pytest.fixture
-def folded_launches(monkeypatch):
-    """How many chunks took the folded path (a test of it that silently ran the dz path passes)."""
-    calls = []
-    kernel = launch.lce_store_fold_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            calls.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(launch, "lce_store_fold_kernel", Spy())
-    return calls
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", list(FOLDED))
-@pytest.mark.parametrize("chunk_rows", [0, 16])  # one chunk; three (bf16: fp32 weight-gradient accumulator)
-def test_store_folded(folded_launches, dtype, name, chunk_rows):
-    kwargs, o = FOLDED[name]
-    h, w, b, t = make_inputs(dtype=dtype, seed=14, **{**kwargs, "ignore_index": o.ignore_index})
-    if name == "large_losses":
-        ref = launch.target_logits(h, w, b, t, o)
-        z = F.linear(h.float(), w.float())
-        assert ((z.amax(-1) - ref)[t != o.ignore_index] > 40).float().mean() > 0.3  # the rescaled rows
-    check_store(h, w, b, t, o, chunk_rows=chunk_rows)
-    # bf16 folds in one chunk only (launch.folds); the three chunks of 16 rows take the dz path
-    assert len(folded_launches) == (1 if chunk_rows == 0 else 3 if dtype == torch.float32 else 0)
-
-
-def test_store_folded_needs_no_smoothing_z_loss_or_bias_gradient():
-    bf16, fp32 = torch.bfloat16, torch.float32
-    assert launch.folds(LossOptions(), bf16, False, 1) and launch.folds(LossOptions(softcap=3.0), fp32, False, 3)
-    assert not launch.folds(LossOptions(), bf16, False, 2)
-    assert not launch.folds(LossOptions(label_smoothing=0.1), bf16, False, 1)
-    assert not launch.folds(LossOptions(z_loss=1e-4), bf16, False, 1)
-    assert not launch.folds(LossOptions(), bf16, True, 1)
-    assert not launch.folds(LossOptions(), torch.float16, False, 1)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_scaled_gives_the_bits_of_torchs_product(dtype):
+    """store's backward scales its saved gradients by the incoming scalar with a blocked kernel:
+    bitwise ``g * s`` (fp32 product, one rounding), in a row-major or a transposed ([D, V] weight)
+    layout, and ``g * s`` itself for a layout with gaps."""
+    gen = torch.Generator().manual_seed(3)
+    g = (torch.randn(300, 70, generator=gen) * 5).to(dtype).to(DEVICE)
+    s = torch.tensor(0.7123, device=DEVICE)
+    for x in (g, g.t().contiguous().t(), g[:, :50]):
+        got = launch.scaled(x, s)
+        assert torch.equal(got, x * s) and got.stride() == (x * s).stride()
 
 
 def test_store_all_ignored_mean_is_nan_with_zero_gradients():
@@ -461,9 +424,6 @@ def test_store_all_ignored_mean_is_nan_with_zero_gradients():
     loss, gh, gw, gb = launch.store(h, w, b, t, LossOptions(), "mean", 16, (True, True, True))
     assert torch.isnan(loss)
     assert not gh.any() and not gw.any() and not gb.any()
-    loss, gh, gw, _ = launch.store(h, w, None, t, LossOptions(), "mean", 16, (True, True, False))  # folded
-    assert torch.isnan(loss)
-    assert not gh.any() and not gw.any()
 
 
 # ---------------------------------------------------------------------------------------------

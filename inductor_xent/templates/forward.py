@@ -32,9 +32,6 @@ backward rebuilds the softmax from ``(z − lse) − lse_lo`` for the same reaso
 Store mode (``STORE_E``, one vocabulary tile per program): the kernel also writes the tile
 ``E = exp(z − m_tile)`` (times sech² under a softcap), relative to the tile's own row maximum,
 into an [N, V] buffer of the store strategy's row chunk; the softmax is ``E·exp(m_tile − lse)``.
-With ``E_REF`` the tile is written relative to ``R = max(ref, m_tile − e_clamp)`` instead, from a
-per-row reference ``ref`` (the target's logit): every tile of a row whose loss is below
-``e_clamp`` then shares one scale, and the softmax is ``E·exp(R − lse)`` (store.py, "folded").
 
 FLOPs: 2·N·D·V in the matmul, ~10 per logit in the epilogue. Memory written: 4·P·S·N + 12·N bytes
 (plus the E tiles in store mode).
@@ -54,16 +51,16 @@ from .common import LOG2E, M_INIT, add_combine, apply_epilogue, cdiv, grouped_pi
 @triton.jit
 def lce_fwd_kernel(
     # pointers
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, arg_ptr, ref_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, arg_ptr,
     # sizes
     N, V, D, tiles_per_split, num_splits,
     # strides
     stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_e_n,
-    # loss options (e_clamp: E_REF only)
-    logit_scale, softcap, e_clamp,
+    # loss options
+    logit_scale, softcap,
     # meta-parameters
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr, STORE_E: tl.constexpr,
-    E_REF: tl.constexpr, NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
+    NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
@@ -126,9 +123,6 @@ def lce_fwd_kernel(
         if STORE_E:  # one tile per program: m_new is this tile's own row max
             if HAS_SOFTCAP:
                 e = e * sech2
-            if E_REF:  # relative to max(ref, tile max − e_clamp): a factor <= exp(e_clamp)
-                r_t = tl.maximum(tl.load(ref_ptr + rows), m_new - e_clamp)
-                e = e * tl.exp2((m_new - r_t) * LOG2E)[:, None]
             out = e_ptr + rows[:, None] * stride_e_n + offs_v[None, :]
             tl.store(out, e.to(e_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -158,20 +152,17 @@ def lce_fwd_kernel(
 def lce_combine_kernel(
     # pointers
     part_ptr, arg_part_ptr, target_ptr, loss_ptr, lse_ptr, lse_lo_ptr, st_ptr, entropy_ptr, argmax_ptr,
-    ref_ptr, grad_ptr, r_star_ptr, row_scale_ptr, e_target_ptr,
     # sizes
     N, V, num_splits,
-    # loss options (logit_scale, e_clamp: FOLD only)
-    ignore_index, label_smoothing, z_loss, logit_scale, e_clamp,
+    # loss options
+    ignore_index, label_smoothing, z_loss,
     # meta-parameters
     NEED_SUM_Z: tl.constexpr, NEED_ST: tl.constexpr, NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
-    FOLD: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """Reduce the splits of BLOCK rows, in split order, into loss, lse and lse_lo (and, with
     NEED_ST, the target's sech² into st; with NEED_ENTROPY the entropy, 0 on ignored rows; with
-    NEED_ARGMAX the argmax, int64, of every row). With FOLD (store's folded path: no smoothing, no
-    z-loss, E written with E_REF) also each row's common reference R* = max(ref, M − e_clamp), its
-    scale grad·exp(R* − lse)·logit_scale, and the value its target column of E must hold."""
+    NEED_ARGMAX the argmax, int64, of every row)."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     plane = num_splits * N
@@ -242,15 +233,3 @@ def lce_combine_kernel(
         tl.store(entropy_ptr + offs, tl.where(tgt != ignore_index, log_s - a / s, 0.0), mask=mask)
     if NEED_ARGMAX:
         tl.store(argmax_ptr + offs, arg.to(tl.int64), mask=mask)
-    if FOLD:  # store.py, "folded": dz = scale·E, the target column rewritten to dz_t / scale
-        r_star = tl.maximum(tl.load(ref_ptr + offs, mask=mask, other=0.0), m - e_clamp)
-        above = (m - r_star) + log_s  # lse − R*, from quantities without a large common part
-        scale = tl.where(tgt != ignore_index, tl.load(grad_ptr + offs, mask=mask, other=0.0), 0.0)
-        scale = scale * tl.exp2(-above * LOG2E) * logit_scale
-        if NEED_ST:  # dz_t = g·(p_t − 1)·sech²_t·logit_scale
-            e_target = (tl.exp2(-loss * LOG2E) - 1.0) * st * tl.exp2(above * LOG2E)
-        else:
-            e_target = (tl.exp2(-loss * LOG2E) - 1.0) * tl.exp2(above * LOG2E)
-        tl.store(r_star_ptr + offs, r_star, mask=mask)
-        tl.store(row_scale_ptr + offs, scale, mask=mask)
-        tl.store(e_target_ptr + offs, e_target, mask=mask)

@@ -23,7 +23,7 @@ from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
-from .store import E_CLAMP, lce_store_dz_kernel, lce_store_fold_kernel
+from .store import lce_store_dz_kernel, scale_kernel
 
 COMBINE_BLOCK = 128
 E_ROW_ALIGN = 64  # elements: 128 bytes in 16 bits
@@ -156,12 +156,11 @@ def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
 
 
 def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
-                  entropy=None, argmax=None, fold=None):
+                  entropy=None, argmax=None):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
     with ``e`` (store mode, one tile per split) also the exp-logit tiles, and ``st`` the target's
-    sech² under a softcap; with ``entropy`` / ``argmax`` those of every row; with ``fold`` = (ref,
-    grad, r_star, row_scale, e_target) store's folded path (store.py): E relative to the rows'
-    references, and the per-row outputs. Returns the partials (plane 0: each split's row max)."""
+    sech² under a softcap; with ``entropy`` / ``argmax`` those of every row. Returns the partials
+    (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -176,12 +175,12 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
     lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
-        h_op, w_op, bias, target, part, e, arg_part, None if fold is None else fold[0],
+        h_op, w_op, bias, target, part, e, arg_part,
         n, v, d, tiles_per_split, splits,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if e is None else e.stride(0),
-        logit_scale, softcap, E_CLAMP,
+        logit_scale, softcap,
         HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
-        STORE_E=e is not None, E_REF=fold is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
+        STORE_E=e is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
         NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
@@ -189,11 +188,11 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     )
     loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
-        part, arg_part, target, loss, lse, lse_lo, st, entropy, argmax, *(fold or (None,) * 5),
+        part, arg_part, target, loss, lse, lse_lo, st, entropy, argmax,
         n, v, splits,
-        int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss), logit_scale, E_CLAMP,
+        int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss),
         NEED_SUM_Z=need_sum_z, NEED_ST=need_st, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
-        FOLD=fold is not None, BLOCK=COMBINE_BLOCK,
+        BLOCK=COMBINE_BLOCK,
     )
     return part
 
@@ -311,40 +310,29 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
         torch.mm(a, b, out=out)
 
 
-def folds(opts: LossOptions, dtype: torch.dtype, need_bias: bool, chunks: int) -> bool:
-    """Whether store takes its folded path (store.py): without label smoothing (an ε/V term on every
-    column), z-loss (a per-row factor that can vanish) or a bias gradient (a column sum of dz); for
-    fp32, and for bf16 in one row chunk only. fp16's range cannot hold E relative to one reference
-    per row. In bf16 the folded weight gradient rounds twice per product (E, and scale·h) where the
-    dz path rounds once (dz): simulated at 2048 × 512 × 16384 against float64, dW errors 2.85e-3
-    (gauss) / 2.87e-3 (zipf) folded, 1.72e-3 / 2.39e-3 through dz, 3.23e-3 / 3.01e-3 for
-    torch.compile's bf16 logits; over two chunks (dW rounded once more) 3.08e-3 / 3.09e-3, over
-    torch.compile's on zipf (benchmarks/store_fold_precision.py)."""
-    if opts.label_smoothing != 0.0 or opts.z_loss != 0.0 or need_bias:
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and chunks == 1)
+SCALE_BLOCK = 8192
 
 
-def target_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                  opts: LossOptions) -> Tensor:
-    """Each row's target logit after scale, bias and softcap (fp32; 0 on ignored rows): the folded
-    store's reference. Any nearby value would do (the kernels derive everything from the stored
-    one), so a 16-bit dot product is enough."""
-    valid = target != opts.ignore_index
-    idx = torch.where(valid, target, 0)
-    ref = torch.bmm(hidden.unsqueeze(1), weight[idx].unsqueeze(2)).view(-1).float() * float(opts.logit_scale)
-    if bias is not None:
-        ref += bias[idx].float() * float(opts.logit_scale)
-    if opts.softcap is not None:
-        ref = torch.tanh(ref / float(opts.softcap)) * float(opts.softcap)
-    return torch.where(valid, ref, 0.0)
+def scaled(g: Tensor, s: Tensor) -> Tensor:
+    """``g * s`` for a gradient ``g`` and a 0-dim upstream gradient ``s`` (store's backward), the
+    same bits, in one blocked pass where ``g``'s storage is dense (any dense strides: the result
+    keeps them); ``g * s`` otherwise."""
+    if g.numel() == 0 or s.numel() != 1 or not _dense(g):
+        return g * s
+    # the interpreter truncates fp32 -> 16-bit casts (backward's dz_dtype): fp32 there, torch rounds
+    interpret = config.triton_interpret() and g.dtype != torch.float32
+    out = torch.empty_like(g, dtype=torch.float32 if interpret else g.dtype)
+    scale_kernel[(triton.cdiv(g.numel(), SCALE_BLOCK),)](g, out, s.reshape(()), g.numel(), BLOCK=SCALE_BLOCK,
+                                                         num_warps=8)
+    return out.to(g.dtype) if interpret else out
 
 
-def _mm_fp32(a: Tensor, b: Tensor) -> Tensor:
-    """a @ b with an fp32 result (cuBLAS's fp32 output for 16-bit operands; fp32 on CPU)."""
-    if a.dtype == torch.float32 or b.dtype == torch.float32 or a.device.type == "cpu":
-        return a.float() @ b.float()
-    return torch.mm(a, b, out_dtype=torch.float32)
+def _dense(t: Tensor) -> bool:
+    """Whether ``t`` fills its storage span without gaps or overlaps (any order of strides), so that
+    an elementwise pass can walk it as flat memory and ``empty_like`` gives the same layout."""
+    if t.dim() == 2 and t.t().is_contiguous():
+        return True
+    return t.is_contiguous()
 
 
 def store(
@@ -391,13 +379,9 @@ def store(
         fp32_acc = fp32_accumulate and need_w
     acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if fp32_acc else None
     interpret = config.triton_interpret()
-    fold = folds(opts, hidden.dtype, need_b, chunks)
     # E in fp16 for 16-bit inputs (values in (0, 1]: 11 significant bits), fp32 for fp32 inputs and
-    # under the interpreter (whose fp32 -> 16-bit casts truncate: torch rounds there instead);
-    # folded, E is a GEMM operand: the input dtype
+    # under the interpreter (whose fp32 -> 16-bit casts truncate: torch rounds there instead)
     e_dtype = torch.float32 if interpret or hidden.dtype == torch.float32 else torch.float16
-    if fold and not interpret:
-        e_dtype = hidden.dtype
     # rows padded to a multiple of E_ROW_ALIGN elements: cuBLAS runs dz·W and dzᵀ·h 2-5x slower
     # on an unaligned leading dimension (V = 50257: the dW GEMM took 13 ms instead of ~3)
     e_buf = torch.empty((chunk, -(-v // E_ROW_ALIGN) * E_ROW_ALIGN), dtype=e_dtype, device=dev)[:, :v]
@@ -410,35 +394,13 @@ def store(
     acc_cfg = configs.acc_mm_config(hidden.dtype)
     precision = _input_precision(hidden.dtype)
 
-    if fold:
-        ref = target_logits(hidden, weight, bias, target, opts)
-        r_star, row_scale, e_target = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
-
     for i, r0 in enumerate(range(0, n, chunk)):
         rows = slice(r0, min(n, r0 + chunk))
         m = rows.stop - rows.start
         h_c, t_c = hidden[rows], target[rows]
         e = e_buf[:m]
         part = _forward_pass(h_c, weight, bias, t_c, opts, cfg, num_tiles, 1,
-                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None,
-                             fold=(ref[rows], g[rows], r_star[rows], row_scale[rows], e_target[rows]) if fold else None)
-        if fold:
-            lce_store_fold_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
-                e, part, t_c, ref[rows], r_star[rows], e_target[rows],
-                m, v, e.stride(0), int(opts.ignore_index), E_CLAMP,
-                BLOCK_M=dz_cfg.block_m, BLOCK_N=cfg.block_n, num_warps=dz_cfg.num_warps,
-            )
-            scale = row_scale[rows, None]
-            e_op = e if e.dtype == hidden.dtype else e.to(hidden.dtype)  # interpreter: fp32 E, rounded as on the GPU
-            if need_h:
-                grad_h[rows] = _mm_fp32(e_op, weight).mul_(scale)
-            if need_w:
-                hs = (h_c.float() * scale).to(hidden.dtype)
-                if fp32_acc:
-                    accumulate_grad_hidden(acc_w, e_op.t(), hs, acc_cfg, precision)
-                else:
-                    _mm_into(grad_w, e_op.t(), hs, accumulate=i > 0)
-            continue
+                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None)
         dz = e.view(dz_dtype) if dz_dtype.itemsize == e_dtype.itemsize else e
         lce_store_dz_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
             e, dz, part, t_c, lse[rows], lse_lo[rows], st[rows] if need_st else None, g[rows], dbias,
