@@ -269,9 +269,18 @@ def _store_backward(ctx, grad_loss, *_unused):
 def _scaled(g: Tensor, grad_loss: Tensor) -> Tensor:
     """``g * grad_loss``: eagerly on the Triton path a blocked kernel (launch.scaled: the same bits,
     ~4x faster than torch's mixed-dtype product); under torch.compile Inductor generates the product."""
-    if torch.compiler.is_compiling() or not use_triton(g):
+    if not _concrete(g, grad_loss) or not use_triton(g):
         return g * grad_loss
     return _kernels(g).scaled(g, grad_loss)
+
+
+def _concrete(*tensors: Tensor) -> bool:
+    """Plain tensors outside any tracing: a Triton launch needs data pointers, and AOTAutograd
+    traces this backward with fake / functional tensors under a dispatch mode."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (not torch.compiler.is_compiling() and _get_current_dispatch_mode() is None
+            and all(type(t) is Tensor for t in tensors))
 
 
 linear_ce_store.register_autograd(_store_backward, setup_context=_store_setup_context)

@@ -408,14 +408,36 @@ def test_store_two_chunks_bf16_accumulates_in_the_weight_dtype():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_scaled_gives_the_bits_of_torchs_product(dtype):
     """store's backward scales its saved gradients by the incoming scalar with a blocked kernel:
-    bitwise ``g * s`` (fp32 product, one rounding), in a row-major or a transposed ([D, V] weight)
-    layout, and ``g * s`` itself for a layout with gaps."""
+    the fp32 product rounded once (what Inductor's generated product gives; torch's eager CUDA
+    product first rounds a 0-dim fp32 CUDA tensor to the 16-bit dtype), in a row-major or a
+    transposed ([D, V] weight) layout; ``g * s`` itself for a layout with gaps."""
     gen = torch.Generator().manual_seed(3)
     g = (torch.randn(300, 70, generator=gen) * 5).to(dtype).to(DEVICE)
     s = torch.tensor(0.7123, device=DEVICE)
-    for x in (g, g.t().contiguous().t(), g[:, :50]):
+    for x in (g, g.t().contiguous().t()):
         got = launch.scaled(x, s)
-        assert torch.equal(got, x * s) and got.stride() == (x * s).stride()
+        assert torch.equal(got, (x.float() * s).to(dtype)) and got.stride() == x.stride()
+    gaps = g[:, :50]
+    assert torch.equal(launch.scaled(gaps, s), gaps * s)
+
+
+def test_store_compiles_with_the_triton_backward(monkeypatch):
+    """Through torch.compile (AOTAutograd traces store's backward with fake tensors: the scaling
+    kernel must not launch there), compiled gradients equal eager ones bitwise."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    h, w, _, t = make_inputs(dtype=torch.bfloat16, seed=15)
+
+    def grads(fn):
+        hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        loss = fn(hh, ww)
+        return [loss.detach(), *torch.autograd.grad(loss * 0.5, (hh, ww))]  # exact in every dtype
+
+    def fn(hh, ww):
+        return inductor_xent.linear_cross_entropy(hh, ww, t, strategy="store")
+
+    torch._dynamo.reset()
+    for x, y in zip(grads(torch.compile(fn, backend="aot_eager", fullgraph=True)), grads(fn)):
+        assert torch.equal(x, y)
 
 
 def test_store_all_ignored_mean_is_nan_with_zero_gradients():
