@@ -277,10 +277,80 @@ def profile_op(shapes, methods=("ours",)):
                 torch.autograd.grad(fn(hr, wr, t), (hr, wr))
             end.record()
             torch.cuda.synchronize()
-        kernels = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3 / 3
+        busy, gaps = device_timeline(prof)
         print(json.dumps({"profile": shape_name, "method": name, "wall_ms_per_iter": start.elapsed_time(end) / 3,
-                          "kernel_ms_per_iter": kernels}), flush=True)
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+                          "kernel_ms_per_iter": busy / 3}), flush=True)
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=24, max_name_column_width=60))
+        print("largest idle gaps on the GPU (ms, the kernels on either side):")
+        for gap, before, after in gaps[:8]:
+            print(f"  {gap:7.3f}  {before[:50]} -> {after[:50]}")
+
+
+def device_timeline(prof):
+    """(ms the GPU was busy, idle gaps between its activities sorted longest first) from a profile:
+    kernels, copies and fills only (the CPU ops' device totals would count each kernel twice)."""
+    from torch.autograd import DeviceType
+
+    acts = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    busy, gaps, end, last = 0.0, [], None, ""
+    for e in acts:
+        s, f = e.time_range.start, e.time_range.end  # microseconds
+        if end is not None and s > end:
+            gaps.append(((s - end) / 1e3, last, e.name))
+        if end is None or f > end:
+            busy += (f - max(s, end if end is not None else s)) / 1e3
+            end, last = f, e.name
+    return busy, sorted(gaps, reverse=True)
+
+
+def store_kernels(shapes):
+    """The store strategy's two memory-bound kernels on one chunk of 4096 rows, alone: the dz pass
+    (E in fp16 read, dz in bf16 written over it) per (BLOCK_M, num_warps), and the split combine
+    (one split per 256-column tile) per rows per program. ms and the bytes they move per second."""
+    for shape_name in shapes:
+        _store_kernels_at(SHAPES[shape_name].v, shape_name)
+
+
+def _store_kernels_at(v, shape_name, m=4096):
+    import triton
+    from triton.testing import do_bench
+
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import configs, launch
+    from inductor_xent.templates.forward import lce_combine_kernel
+    from inductor_xent.templates.store import lce_store_dz_kernel
+
+    bn = configs.store_config(torch.bfloat16).block_n
+    tiles = -(-v // bn)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e = torch.rand((m, v), device="cuda", generator=gen).to(torch.float16)
+    dz = e.view(torch.bfloat16)
+    part = torch.rand((3, tiles, m), device="cuda", generator=gen) + 0.5
+    t = torch.randint(0, v, (m,), device="cuda", generator=gen)
+    lse, lo, loss = (torch.rand(m, device="cuda", generator=gen) + 3 for _ in range(3))
+    g = torch.full((m,), 1.0 / m, device="cuda")
+    no_arg = torch.empty(0, dtype=torch.int32, device="cuda")
+    hit, rest = launch._smoothing_coefs(LossOptions(), v)
+
+    def dz_pass(bm, warps):
+        lce_store_dz_kernel[(triton.cdiv(m, bm) * tiles,)](
+            e, dz, part, t, lse, lo, None, g, None, m, v, e.stride(0), dz.stride(0), 0,
+            -100, hit, rest, 0.0, 1.0, 0.0, HAS_SOFTCAP=False, NEED_DBIAS=False,
+            BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps)
+
+    def combine(block):
+        lce_combine_kernel[(triton.cdiv(m, block),)](
+            part, no_arg, t, loss, lse, lo, None, None, None, m, v, tiles, -100, 0.0, 0.0,
+            NEED_SUM_Z=False, NEED_ST=False, NEED_ENTROPY=False, NEED_ARGMAX=False, BLOCK=block)
+
+    for bm, warps in ((32, 8), (16, 4), (64, 8), (64, 16), (128, 16)):
+        ms = do_bench(lambda bm=bm, warps=warps: dz_pass(bm, warps), warmup=20, rep=100, return_mode="median")
+        print(json.dumps({"store_kernel": "dz", "shape": shape_name, "block_m": bm, "num_warps": warps,
+                          "ms": ms, "TB/s": 4 * m * v / ms / 1e9}), flush=True)
+    for block in (128, 64, 32, 16):
+        ms = do_bench(lambda block=block: combine(block), warmup=20, rep=100, return_mode="median")
+        print(json.dumps({"store_kernel": "combine", "shape": shape_name, "block": block, "splits": tiles,
+                          "ms": ms}), flush=True)
 
 
 def sweep(shapes, quick, out, names=None):
@@ -527,6 +597,8 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="time the kernel configs instead")
     p.add_argument("--configs", default="", help="--sweep: config names from templates/configs.py")
     p.add_argument("--profile", action="store_true", help="profile our fwd+bwd through the op instead")
+    p.add_argument("--store-kernels", action="store_true",
+                   help="time the store strategy's dz pass and split combine alone, per launch parameters")
     p.add_argument("--store-options", action="store_true",
                    help="measure the store strategy's weight-gradient accumulation options instead")
     p.add_argument("--scan", action="store_true",
@@ -553,6 +625,9 @@ def main(argv=None):
         return 0
     if args.store_options:
         store_options(shapes, args.quick, out)
+        return 0
+    if args.store_kernels:
+        store_kernels(shapes)
         return 0
     info = env_info()
     print(json.dumps(info), flush=True)

@@ -11,6 +11,7 @@
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile and store, store in one
 #           chunk (an 8 GiB budget)
+#   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -69,6 +70,8 @@ for step in ${STEPS//,/ }; do
         profile) { timeout 120 $BENCH --profile --shapes llama3-8b --methods compile,ours_store
                    INDUCTOR_XENT_STORE_BUDGET=8GiB timeout 60 $BENCH --profile --shapes llama3-8b --methods ours_store; } 2>&1 \
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -80 ;;
+        storek) timeout 90 $BENCH --store-kernels --shapes llama3-8b,gemma2-2b 2>&1 | tee "$OUT/storek.log" \
+                   | grep -E "^\{|rror" ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
                    python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
         *) echo "unknown step $step" ;;
@@ -77,7 +80,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log; do
+         rl.log bench_rl.json bench_rl.png profile.log storek.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"

@@ -13,6 +13,9 @@
   ``logging.Logger`` method call whose bound method or ``__func__`` is in it) and
   ``nested_graph_breaks`` (a bool, off by default) exist in both; ``tune_dynamo`` sets them. 2.11's
   compilation-metrics log cannot write a function in the first (``_LoggableFunction``).
+* ``graph_retained``: whether the running backward keeps its graph (``retain_graph`` /
+  ``create_graph``), from ``torch._C._autograd._get_current_graph_task_keep_graph`` (private, in
+  both); where it is missing the answer is True, the safe one.
 """
 
 from __future__ import annotations
@@ -137,6 +140,18 @@ def aot_eager(gm: torch.fx.GraphModule, example_inputs):
     from torch._dynamo.backends.debugging import aot_eager_decomp_partition
 
     return aot_eager_decomp_partition(gm, example_inputs)
+
+
+def graph_retained() -> bool:
+    """Whether the backward pass now running keeps its graph (saved tensors live on after it):
+    True where torch cannot say."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep is None:
+        return True
+    try:
+        return bool(keep())
+    except RuntimeError:  # not inside a backward pass
+        return True
 
 
 def inductor_config_keys() -> set:

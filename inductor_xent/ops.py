@@ -23,7 +23,9 @@ Strategy ``store``:
   the logits, its gradients (not differentiable outputs; empty where not needed). ``chunk_rows`` 0
   sizes the row chunks at run time from ``budget`` (strategy.chunk_rows), so a dynamic N is
   chunked for its real size and eager and compiled calls chunk alike. Its autograd formula scales
-  the gradients by the incoming scalar gradient: no backward pass over the logits at all.
+  the gradients by the incoming scalar gradient: no backward pass over the logits at all. Eagerly
+  on the Triton path it scales them in place unless the graph is retained: the gradient outputs
+  belong to the op's backward (the API and the graph pass never hand them to anyone else).
 
 Log-probabilities (``linear_log_probs``; RL and evaluation heads), recompute only:
 
@@ -50,7 +52,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import config, fallback, strategy
+from . import compat, config, fallback, strategy
 from .options import KERNEL_DTYPES, LossOptions, compute_dtype
 
 
@@ -268,10 +270,13 @@ def _store_backward(ctx, grad_loss, *_unused):
 
 def _scaled(g: Tensor, grad_loss: Tensor) -> Tensor:
     """``g * grad_loss``: eagerly on the Triton path a blocked kernel (launch.scaled: the same bits,
-    ~4x faster than torch's mixed-dtype product); under torch.compile Inductor generates the product."""
+    ~4x faster than torch's mixed-dtype product), in place over the saved gradient when the graph
+    is not retained (nothing else can see it: the op's gradient outputs are internal, and autograd
+    frees them after this backward), which costs nothing on the GPU for ``loss.backward()``'s
+    upstream 1; under torch.compile Inductor generates the product."""
     if not _concrete(g, grad_loss) or not use_triton(g):
         return g * grad_loss
-    return _kernels(g).scaled(g, grad_loss)
+    return _kernels(g).scaled(g, grad_loss, in_place=not compat.graph_retained())
 
 
 def _concrete(*tensors: Tensor) -> bool:

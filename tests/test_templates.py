@@ -421,6 +421,55 @@ def test_scaled_gives_the_bits_of_torchs_product(dtype):
     assert torch.equal(launch.scaled(gaps, s), gaps * s)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_in_place_writes_the_same_bits_into_g(dtype):
+    """In place: the same bits as the out-of-place product, in ``g`` itself; an upstream 1 leaves
+    ``g`` as it was (on the GPU the kernel then reads and writes nothing)."""
+    gen = torch.Generator().manual_seed(4)
+    g = (torch.randn(300, 70, generator=gen) * 5).to(dtype).to(DEVICE)
+    for x in (g.clone(), g.t().contiguous().t()):
+        want = (x.float() * 0.7123).to(dtype)
+        got = launch.scaled(x, torch.tensor(0.7123, device=DEVICE), in_place=True)
+        assert got is x and torch.equal(x, want) and x.stride() == got.stride()
+        before = x.clone()
+        assert launch.scaled(x, torch.tensor(1.0, device=DEVICE), in_place=True) is x
+        assert torch.equal(x, before)
+    gaps = g.clone()[:, :50]
+    want = gaps * 3.0
+    assert launch.scaled(gaps, torch.tensor(3.0, device=DEVICE), in_place=True) is gaps
+    assert torch.equal(gaps, want)
+
+
+def test_store_backward_scales_in_place_only_when_the_graph_is_freed(monkeypatch):
+    """store's backward scales its saved gradients in place when autograd frees the graph after it,
+    and out of place under retain_graph: a second backward through the same graph, with another
+    upstream gradient, gets its own gradients, and the first call's results are not changed."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    seen = []
+    real = launch.scaled
+
+    def spy(g, s, in_place=False):
+        seen.append(in_place)
+        return real(g, s, in_place=in_place)
+
+    monkeypatch.setattr(launch, "scaled", spy)
+    h, w, _, t = make_inputs(dtype=torch.bfloat16, seed=16)
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = inductor_xent.linear_cross_entropy(hh, ww, t, strategy="store")
+    first = torch.autograd.grad(loss, (hh, ww), retain_graph=True)
+    kept = [x.clone() for x in first]
+    second = torch.autograd.grad(loss, (hh, ww), torch.tensor(0.25, device=DEVICE), retain_graph=True)
+    third = torch.autograd.grad(loss, (hh, ww), torch.tensor(0.5, device=DEVICE))  # frees the graph
+    assert seen == [False, False, False, False, True, True]
+    for a, k, b, c in zip(first, kept, second, third):
+        assert torch.equal(a, k)  # untouched by the later calls
+        assert torch.equal(b, (a.float() * 0.25).to(a.dtype)) and torch.equal(c, (a.float() * 0.5).to(a.dtype))
+    # and the plain training call: loss.backward() into .grad, the result of a retained call's bits
+    loss = inductor_xent.linear_cross_entropy(hh, ww, t, strategy="store")
+    loss.backward()
+    assert torch.equal(hh.grad, first[0]) and torch.equal(ww.grad, first[1])
+
+
 def test_store_compiles_with_the_triton_backward(monkeypatch):
     """Through torch.compile (AOTAutograd traces store's backward with fake tensors: the scaling
     kernel must not launch there), compiled gradients equal eager ones bitwise."""

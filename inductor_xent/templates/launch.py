@@ -313,18 +313,22 @@ def _mm_into(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
 SCALE_BLOCK = 8192
 
 
-def scaled(g: Tensor, s: Tensor) -> Tensor:
+def scaled(g: Tensor, s: Tensor, in_place: bool = False) -> Tensor:
     """``g * s`` for a gradient ``g`` and a 0-dim upstream gradient ``s`` (store's backward), the
     same bits, in one blocked pass where ``g``'s storage is dense (any dense strides: the result
-    keeps them); ``g * s`` otherwise."""
+    keeps them); ``g * s`` otherwise. ``in_place``: into ``g`` itself (returned), and on the GPU no
+    memory traffic at all when ``s`` is 1, which the kernel reads on the device (no host sync)."""
     if g.numel() == 0 or s.numel() != 1 or not _dense(g):
-        return g * s
+        return g.mul_(s) if in_place else g * s
     # the interpreter truncates fp32 -> 16-bit casts (backward's dz_dtype): fp32 there, torch rounds
     interpret = config.triton_interpret() and g.dtype != torch.float32
-    out = torch.empty_like(g, dtype=torch.float32 if interpret else g.dtype)
+    direct = in_place and not interpret
+    out = g if direct else torch.empty_like(g, dtype=torch.float32 if interpret else g.dtype)
     scale_kernel[(triton.cdiv(g.numel(), SCALE_BLOCK),)](g, out, s.reshape(()), g.numel(), BLOCK=SCALE_BLOCK,
-                                                         num_warps=8)
-    return out.to(g.dtype) if interpret else out
+                                                         IN_PLACE=direct, num_warps=8)
+    if interpret:
+        return g.copy_(out) if in_place else out.to(g.dtype)
+    return out
 
 
 def _dense(t: Tensor) -> bool:
