@@ -353,6 +353,40 @@ def _store_kernels_at(v, shape_name, m=4096):
                           "ms": ms}), flush=True)
 
 
+def store_sweep(shapes, quick, names):
+    """The store strategy's forward tile (one vocabulary tile per program; the dz pass follows its
+    width): each config's whole store op (2 chunks, loss and both gradients) against the default's
+    results and time. A smaller tile can fit two programs per SM, so that one's epilogue (exp, the
+    E store) overlaps the other's matmul."""
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import configs, launch
+
+    o = LossOptions()
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        h, w, t = make_data(shape, "gauss")
+        rows = shape.n // 2
+
+        def run(cfg=None, h=h, w=w, t=t, rows=rows):
+            return launch.store(h, w, None, t, o, "mean", rows, (True, True, False), cfg=cfg)
+
+        base = run()
+        for name in names:
+            cfg = configs.CONFIGS[name]._replace(split_tiles=1)
+            row = {"store_sweep": shape_name, "config": name}
+            try:
+                got = run(cfg)
+                row |= {"diff_loss": rel_err(got[0], base[0]), "diff_dH": rel_err(got[1], base[1]),
+                        "diff_dW": rel_err(got[2], base[2])}
+                del got
+                row["ms"] = bench_ms(lambda cfg=cfg: run(cfg), quick, True)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            print(json.dumps(row), flush=True)
+        del base, h, w, t
+        torch.cuda.empty_cache()
+
+
 def sweep(shapes, quick, out, names=None):
     """Time each candidate config of the forward and of the backward (launch.* with cfg=)."""
     from inductor_xent.templates import configs
@@ -599,6 +633,8 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="profile our fwd+bwd through the op instead")
     p.add_argument("--store-kernels", action="store_true",
                    help="time the store strategy's dz pass and split combine alone, per launch parameters")
+    p.add_argument("--store-sweep", action="store_true",
+                   help="time the store op per forward tile config (--configs) instead")
     p.add_argument("--store-options", action="store_true",
                    help="measure the store strategy's weight-gradient accumulation options instead")
     p.add_argument("--scan", action="store_true",
@@ -625,6 +661,9 @@ def main(argv=None):
         return 0
     if args.store_options:
         store_options(shapes, args.quick, out)
+        return 0
+    if args.store_sweep:
+        store_sweep(shapes, args.quick, [c for c in args.configs.split(",") if c])
         return 0
     if args.store_kernels:
         store_kernels(shapes)

@@ -12,6 +12,7 @@
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile and store, and the GPU's
 #           idle gaps
 #   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)
+#   storesweep  the store op per forward tile config at llama3-8b and gemma2-2b (bench --store-sweep)
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -71,6 +72,9 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -70 ;;
         storek) timeout 90 $BENCH --store-kernels --shapes llama3-8b,gemma2-2b 2>&1 | tee "$OUT/storek.log" \
                    | grep -E "^\{|rror" ;;
+        storesweep) timeout 240 $BENCH --store-sweep --quick --shapes llama3-8b,gemma2-2b \
+                   --configs m128n256k64w8s4tma,m128n256k64w8s3tma,m256n128k64w8s3tma,m128n128k64w8s4tma,m128n128k64w4s4tma,m128n128k64w8s3tma,m128n256k64w8s4 \
+                   2>&1 | tee "$OUT/storesweep.log" | grep -E "^\{|rror" ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
                    python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
         *) echo "unknown step $step" ;;
@@ -79,7 +83,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log storek.log bench.log e2e.log; do
+         rl.log bench_rl.json bench_rl.png profile.log storek.log storesweep.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"

@@ -46,6 +46,11 @@ CONFIGS: dict[str, KernelConfig] = {
     "m128n256k64w8s3tma": KernelConfig(128, 256, 64, 8, 8, 3, tma=True),
     "m128n256k64w8s4tma": KernelConfig(128, 256, 64, 8, 8, 4, tma=True),
     "m256n128k64w8s3tma": KernelConfig(256, 128, 64, 8, 8, 3, tma=True),
+    # store mode (one tile per program, an epilogue that writes the tile): smaller tiles that may
+    # fit two programs per SM, one's epilogue under the other's matmul (bench --store-sweep)
+    "m128n128k64w8s4tma": KernelConfig(128, 128, 64, 8, 8, 4, tma=True),
+    "m128n128k64w4s4tma": KernelConfig(128, 128, 64, 8, 4, 4, tma=True),
+    "m128n128k64w8s3tma": KernelConfig(128, 128, 64, 8, 8, 3, tma=True),
     # smaller accumulator: no spills (ptxas: 186 registers, 0 stack, offline sm_90 compile), but
     # 186 x 256 threads still allows only one CTA per SM
     "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3),
