@@ -338,19 +338,20 @@ def _store_kernels_at(v, shape_name, m=4096):
             -100, hit, rest, 0.0, 1.0, 0.0, HAS_SOFTCAP=False, NEED_DBIAS=False,
             BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8, num_warps=warps)
 
-    def combine(block):
+    def combine(block, group):
         lce_combine_kernel[(triton.cdiv(m, block),)](
             part, no_arg, t, loss, lse, lo, None, None, None, m, v, tiles, -100, 0.0, 0.0,
-            NEED_SUM_Z=False, NEED_ST=False, NEED_ENTROPY=False, NEED_ARGMAX=False, BLOCK=block)
+            NEED_SUM_Z=False, NEED_ST=False, NEED_ENTROPY=False, NEED_ARGMAX=False, BLOCK=block, GROUP=group)
 
     for bm, warps in ((32, 8), (16, 4), (64, 8), (64, 16), (128, 16)):
         ms = do_bench(lambda bm=bm, warps=warps: dz_pass(bm, warps), warmup=20, rep=100, return_mode="median")
         print(json.dumps({"store_kernel": "dz", "shape": shape_name, "block_m": bm, "num_warps": warps,
                           "ms": ms, "TB/s": 4 * m * v / ms / 1e9}), flush=True)
-    for block in (128, 64, 32, 16):
-        ms = do_bench(lambda block=block: combine(block), warmup=20, rep=100, return_mode="median")
-        print(json.dumps({"store_kernel": "combine", "shape": shape_name, "block": block, "splits": tiles,
-                          "ms": ms}), flush=True)
+    for block, group in ((128, 1), (32, 32), (64, 16), (16, 64), (32, 16)):
+        ms = do_bench(lambda block=block, group=group: combine(block, group), warmup=20, rep=100,
+                      return_mode="median")
+        print(json.dumps({"store_kernel": "combine", "shape": shape_name, "block": block, "group": group,
+                          "splits": tiles, "ms": ms}), flush=True)
 
 
 def store_sweep(shapes, quick, names):

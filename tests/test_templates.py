@@ -421,6 +421,49 @@ def test_scaled_gives_the_bits_of_torchs_product(dtype):
     assert torch.equal(launch.scaled(gaps, s), gaps * s)
 
 
+def test_combine_reduces_many_splits_in_groups():
+    """The split combine over more splits than one step takes (70 splits: groups of 32, 32 and a
+    ragged 6; 45 rows: a partial row block), against float64: lse, loss with smoothing and z-loss,
+    entropy, and the argmax of the first split at the row max when a later group ties it."""
+    gen = torch.Generator().manual_seed(21)
+    n, splits, v = 45, 70, 9000
+    m = torch.randn(splits, n, generator=gen, dtype=torch.float64) * 3
+    s = torch.rand(splits, n, generator=gen, dtype=torch.float64) * 30 + 1
+    zt = torch.zeros(splits, n, dtype=torch.float64)
+    hit = torch.randint(0, splits, (n,), generator=gen)
+    zt[hit, torch.arange(n)] = torch.randn(n, generator=gen, dtype=torch.float64)
+    sz = torch.randn(splits, n, generator=gen, dtype=torch.float64) * 50
+    a = -torch.rand(splits, n, generator=gen, dtype=torch.float64) * 20
+    arg = torch.randint(0, v, (splits, n), generator=gen, dtype=torch.int32)
+    m[5, :10] = m[50, :10] = m[:, :10].max(0).values + 1  # a tie across groups: split 5 wins
+    target = torch.randint(0, v, (n,), generator=gen)
+    target[3] = -100
+    part = torch.stack([m, s, zt, sz, a]).float()
+    m, s, zt, sz, a = part.double().unbind(0)  # what the kernel reads
+    outs = [torch.empty(n, dtype=torch.float32, device=DEVICE) for _ in range(4)]
+    argmax = torch.empty(n, dtype=torch.int64, device=DEVICE)
+    eps, zl = 0.1, 1e-3
+    _forward.lce_combine_kernel[(-(-n // launch.COMBINE_BLOCK),)](
+        part.to(DEVICE), arg.to(DEVICE), target.to(DEVICE), *outs[:3], None, outs[3], argmax,
+        n, v, splits, -100, eps, zl,
+        NEED_SUM_Z=True, NEED_ST=False, NEED_ENTROPY=True, NEED_ARGMAX=True,
+        BLOCK=launch.COMBINE_BLOCK, GROUP=launch.COMBINE_GROUP)
+    big = m.max(0).values
+    total = (s * (m - big).exp()).sum(0)
+    lse = big + total.log()
+    loss = total.log() + (1 - eps) * (big - zt.sum(0)) + zl * lse**2 + eps * (big - sz.sum(0) / v)
+    loss[3] = 0.0
+    ent = total.log() - ((m - big).exp() * (a + (m - big) * s)).sum(0) / total
+    ent[3] = 0.0
+    first = torch.where(m == big, torch.arange(splits)[:, None], splits).min(0).values
+    loss_k, lse_k, lo_k, ent_k = (x.cpu().double() for x in outs)
+    torch.testing.assert_close(lse_k, lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(loss_k, loss, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(ent_k, ent, rtol=1e-5, atol=1e-5)
+    assert torch.equal(argmax.cpu(), arg[first, torch.arange(n)].long())
+    assert (first[:10] == 5).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scaled_in_place_writes_the_same_bits_into_g(dtype):
     """In place: the same bits as the out-of-place product, in ``g`` itself; an upstream 1 leaves

@@ -25,7 +25,8 @@ from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
 from .store import lce_store_dz_kernel, scale_kernel
 
-COMBINE_BLOCK = 128
+COMBINE_BLOCK = 32  # rows per combine program
+COMBINE_GROUP = 32  # splits per step of the combine
 E_ROW_ALIGN = 64  # elements: 128 bytes in 16 bits
 
 
@@ -192,7 +193,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
         n, v, splits,
         int(opts.ignore_index), float(opts.label_smoothing), float(opts.z_loss),
         NEED_SUM_Z=need_sum_z, NEED_ST=need_st, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
-        BLOCK=COMBINE_BLOCK,
+        BLOCK=COMBINE_BLOCK, GROUP=COMBINE_GROUP,
     )
     return part
 
