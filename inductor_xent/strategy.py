@@ -37,7 +37,7 @@ CHUNK_ALIGN = 128  # rows per chunk are a multiple of the kernels' row block
 # Fewer rows per chunk than this and the three GEMMs per chunk lose their speed (H200, llama3-8b
 # shape: chunks of 1024 rows 44.5 ms against 42.7 for 2048); store then is not worth its memory.
 MIN_CHUNK_ROWS = 1024
-STORE_TILE = 256  # the store kernel's vocabulary tile: per (row, tile) it keeps 16 bytes of partials
+STORE_TILE = 128  # the store kernel's vocabulary tile (configs.STORE_TABLE): 12 bytes of partials per (row, tile)
 # On CUDA, ``auto`` takes store only from this hidden size up. Store saves one 2·N·D·V GEMM and pays
 # passes over [N, V] tensors (E written and read, dz written and read twice) whose cost does not
 # shrink with D; at small D the GEMM it saves is cheaper than those passes. Measured on the H200

@@ -421,6 +421,15 @@ def test_scaled_gives_the_bits_of_torchs_product(dtype):
     assert torch.equal(launch.scaled(gaps, s), gaps * s)
 
 
+def test_store_memory_estimate_uses_the_store_tile():
+    """strategy's extra-memory estimate counts 12 bytes of partials per (row, vocabulary tile) of
+    the store forward's tile on the GPU (configs.STORE_TABLE), for 16-bit and fp32 inputs."""
+    from inductor_xent import strategy
+
+    for name in configs.STORE_TABLE.values():
+        assert configs.CONFIGS[name].block_n == strategy.STORE_TILE, name
+
+
 def test_combine_reduces_many_splits_in_groups():
     """The split combine over more splits than one step takes (70 splits: groups of 32, 32 and a
     ragged 6; 45 rows: a partial row block), against float64: lse, loss with smoothing and z-loss,
