@@ -6,6 +6,8 @@
 #   quick   bench kernels, gauss, the main methods and Liger, all three shapes
 #   full    bench kernels, gauss and zipf, every method
 #   llama   bench kernels at llama3-8b, gauss: cuBLAS, torch.compile and ours (when a call has little time)
+#   gemma   bench kernels at gemma2-2b, gauss: cuBLAS, torch.compile, ours (auto) and recompute
+#   storepair  the store op with its tile and the forward's, twice each, alternating (bench --store-sweep)
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
@@ -61,6 +63,11 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/bench_others.log" | grep -E "^\||error" ;;
         llama) timeout 220 $BENCH --quick --shapes llama3-8b --data gauss \
                    --methods cublas,compile,ours,ours_recompute,ours_compiled 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
+        gemma) timeout 150 $BENCH --quick --shapes gemma2-2b --data gauss \
+                   --methods cublas,compile,ours,ours_recompute 2>&1 | tee "$OUT/bench_gemma.log" | grep -E "^\||error" ;;
+        storepair) timeout 120 $BENCH --store-sweep --quick --shapes llama3-8b,gemma2-2b \
+                   --configs m256n128k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma,m128n256k64w8s4tma 2>&1 \
+                   | tee "$OUT/storepair.log" | grep -E "^\{|rror" ;;
         sweep) timeout 200 $BENCH --sweep --quick --shapes llama3-8b \
                    --configs m128n256k64w8s3,m128n256k64w8s4,m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma 2>&1 \
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
@@ -83,7 +90,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log storek.log storesweep.log bench.log e2e.log; do
+         rl.log bench_rl.json bench_rl.png profile.log storek.log storesweep.log storepair.log bench_gemma.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"
