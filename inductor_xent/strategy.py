@@ -117,7 +117,8 @@ def store_bytes(n: int, v: int, d: int, itemsize: int, weight_itemsize: int, chu
     exp-logits (fp16 for 16-bit inputs, fp32 for fp32) and its per-tile partials, plus the fp32
     weight-gradient accumulator where the precision rule asks for one. The gradients themselves are
     not counted: they are the gradients (under torch.compile the backward's scaling reuses their
-    buffers, AOTAutograd's donated buffers; eagerly it makes one more copy of them)."""
+    buffers, AOTAutograd's donated buffers; eagerly it scales them in place, or makes one more copy
+    under retain_graph)."""
     chunks = -(-n // max(1, chunk_rows))
     fp32_acc = weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS and need_weight
     return chunk_rows * _per_row(v, itemsize) + (v * d * 4 if fp32_acc else 0), fp32_acc
