@@ -74,7 +74,10 @@ def linear_cross_entropy(
     which = _plan(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
                   float(label_smoothing), softcap, strategy, budget, hidden2d.device.type)
     if which == "store":  # chunks sized by the op at run time, from the budget
-        loss, *_ = ops.STORE(hidden2d, weight, bias, target1d, *options, reduction, 0, budget, *needs)
+        # eagerly through store_consuming_gradients: the gradient outputs are dropped here, so the
+        # backward may scale them in place (under torch.compile the traced backward never does)
+        store = ops.STORE if torch.compiler.is_compiling() else ops.store_consuming_gradients
+        loss, *_ = store(hidden2d, weight, bias, target1d, *options, reduction, 0, budget, *needs)
         return loss
     rows, _, _ = ops.FORWARD(hidden2d, weight, bias, target1d, *options)
     if reduction == "none":

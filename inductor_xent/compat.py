@@ -146,12 +146,7 @@ def graph_retained() -> bool:
     """Whether the backward pass now running keeps its graph (saved tensors live on after it):
     True where torch cannot say."""
     keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    if keep is None:
-        return True
-    try:
-        return bool(keep())
-    except RuntimeError:  # not inside a backward pass
-        return True
+    return True if keep is None else bool(keep())  # outside a backward pass torch says True
 
 
 def inductor_config_keys() -> set:

@@ -23,9 +23,10 @@ Strategy ``store``:
   the logits, its gradients (not differentiable outputs; empty where not needed). ``chunk_rows`` 0
   sizes the row chunks at run time from ``budget`` (strategy.chunk_rows), so a dynamic N is
   chunked for its real size and eager and compiled calls chunk alike. Its autograd formula scales
-  the gradients by the incoming scalar gradient: no backward pass over the logits at all. Eagerly
-  on the Triton path it scales them in place unless the graph is retained: the gradient outputs
-  belong to the op's backward (the API and the graph pass never hand them to anyone else).
+  the gradients by the incoming scalar gradient: no backward pass over the logits at all. Called
+  through ``store_consuming_gradients`` (the functional API, which discards the gradient outputs)
+  its eager backward on the Triton path scales them in place unless the graph is retained; called
+  directly, it leaves the outputs its caller holds as they were.
 
 Log-probabilities (``linear_log_probs``; RL and evaluation heads), recompute only:
 
@@ -46,6 +47,7 @@ kernels on CUDA. No op synchronises with the host (the mean's denominator stays 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from typing import Optional
 
@@ -242,8 +244,24 @@ def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, 
     return (loss, *_grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias))
 
 
+# set by store_consuming_gradients around one call of the op, read by its setup_context
+_GRADIENTS_CONSUMED = contextvars.ContextVar("inductor_xent_store_gradients_consumed", default=False)
+
+
+def store_consuming_gradients(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``linear_ce_store(*args)`` for a caller that drops the three gradient outputs at once: the
+    eager backward may then scale them in place (no copy; no memory traffic at all on the GPU for
+    an upstream 1), since nobody else can see them. Eager only (a context variable)."""
+    token = _GRADIENTS_CONSUMED.set(True)
+    try:
+        return STORE(*args)
+    finally:
+        _GRADIENTS_CONSUMED.reset(token)
+
+
 def _store_setup_context(ctx, inputs, output):
     _, grad_h, grad_w, grad_b = output
+    ctx.consumed = _GRADIENTS_CONSUMED.get()  # the caller dropped the gradient outputs
     ctx.save_for_backward(grad_h, grad_w, grad_b)
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
     # the three gradient outputs get no incoming gradient: without this autograd fills a zero one
@@ -264,19 +282,19 @@ def _store_backward(ctx, grad_loss, *_unused):
             raise RuntimeError(f"inductor_xent: strategy 'store' computed no gradient for {name} in the forward "
                                f"(needs_{name}=False) but autograd asks for one")
         else:  # 0-dim grad_loss: the result keeps g's dtype, rounded once
-            grads.append(_scaled(g, grad_loss))
+            grads.append(_scaled(g, grad_loss, ctx.consumed))
     return (*grads, *(None,) * 12)
 
 
-def _scaled(g: Tensor, grad_loss: Tensor) -> Tensor:
+def _scaled(g: Tensor, grad_loss: Tensor, consumed: bool) -> Tensor:
     """``g * grad_loss``: eagerly on the Triton path a blocked kernel (launch.scaled: the same bits,
-    ~4x faster than torch's mixed-dtype product), in place over the saved gradient when the graph
-    is not retained (nothing else can see it: the op's gradient outputs are internal, and autograd
-    frees them after this backward), which costs nothing on the GPU for ``loss.backward()``'s
-    upstream 1; under torch.compile Inductor generates the product."""
+    ~4x faster than torch's mixed-dtype product), in place over the saved gradient when its caller
+    dropped it (``consumed``) and autograd frees the graph after this backward: then nobody else
+    sees it, and on the GPU ``loss.backward()``'s upstream 1 moves no memory; under torch.compile
+    Inductor generates the product."""
     if not _concrete(g, grad_loss) or not use_triton(g):
         return g * grad_loss
-    return _kernels(g).scaled(g, grad_loss, in_place=not compat.graph_retained())
+    return _kernels(g).scaled(g, grad_loss, in_place=consumed and not compat.graph_retained())
 
 
 def _concrete(*tensors: Tensor) -> bool:

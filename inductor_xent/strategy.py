@@ -33,7 +33,8 @@ STRATEGIES = ("auto", "recompute", "store")
 # accumulation"): torch.compile 2.5e-3 gauss / ~3.1e-3 zipf; 1 chunk 1.7e-3 / 2.3e-3; 2 chunks
 # 2.3e-3 / 2.9e-3; 4 chunks 2.8e-3 / 3.4e-3 (above compile); 8 chunks 3.1e-3 / 4.0e-3.
 LOWP_ACCUMULATE_CHUNKS = 2
-CHUNK_ALIGN = 128  # rows per chunk are a multiple of the kernels' row block
+CHUNK_ALIGN = 128  # rows per chunk: a multiple of 128 (the store forward's 16-bit row block is 256: an
+# odd multiple leaves its last block half full, which costs time, not correctness)
 # Fewer rows per chunk than this and the three GEMMs per chunk lose their speed (H200, llama3-8b
 # shape: chunks of 1024 rows 44.5 ms against 42.7 for 2048); store then is not worth its memory.
 MIN_CHUNK_ROWS = 1024

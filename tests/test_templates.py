@@ -422,8 +422,8 @@ def test_scaled_gives_the_bits_of_torchs_product(dtype):
 
 
 def test_store_memory_estimate_uses_the_store_tile():
-    """strategy's extra-memory estimate counts 12 bytes of partials per (row, vocabulary tile) of
-    the store forward's tile on the GPU (configs.STORE_TABLE), for 16-bit and fp32 inputs."""
+    """strategy's extra-memory estimate (12 bytes of partials per row and STORE_TILE columns) uses
+    the vocabulary tile of the store forward's GPU configs (configs.STORE_TABLE), 16-bit and fp32."""
     from inductor_xent import strategy
 
     for name in configs.STORE_TABLE.values():
@@ -433,7 +433,8 @@ def test_store_memory_estimate_uses_the_store_tile():
 def test_combine_reduces_many_splits_in_groups():
     """The split combine over more splits than one step takes (70 splits: groups of 32, 32 and a
     ragged 6; 45 rows: a partial row block), against float64: lse, loss with smoothing and z-loss,
-    entropy, and the argmax of the first split at the row max when a later group ties it."""
+    the target's sech² sum, entropy, and the argmax of the first split at the row max when a later
+    split ties it, in another group or in the same one."""
     gen = torch.Generator().manual_seed(21)
     n, splits, v = 45, 70, 9000
     m = torch.randn(splits, n, generator=gen, dtype=torch.float64) * 3
@@ -445,17 +446,19 @@ def test_combine_reduces_many_splits_in_groups():
     a = -torch.rand(splits, n, generator=gen, dtype=torch.float64) * 20
     arg = torch.randint(0, v, (splits, n), generator=gen, dtype=torch.int32)
     m[5, :10] = m[50, :10] = m[:, :10].max(0).values + 1  # a tie across groups: split 5 wins
+    m[9, 10:20] = m[2, 10:20] = m[:, 10:20].max(0).values + 1  # a tie within a group: split 2 wins
+    st = torch.rand(splits, n, generator=gen, dtype=torch.float64)
     target = torch.randint(0, v, (n,), generator=gen)
     target[3] = -100
-    part = torch.stack([m, s, zt, sz, a]).float()
-    m, s, zt, sz, a = part.double().unbind(0)  # what the kernel reads
-    outs = [torch.empty(n, dtype=torch.float32, device=DEVICE) for _ in range(4)]
+    part = torch.stack([m, s, zt, sz, st, a]).float()
+    m, s, zt, sz, st, a = part.double().unbind(0)  # what the kernel reads
+    outs = [torch.empty(n, dtype=torch.float32, device=DEVICE) for _ in range(5)]
     argmax = torch.empty(n, dtype=torch.int64, device=DEVICE)
     eps, zl = 0.1, 1e-3
     _forward.lce_combine_kernel[(-(-n // launch.COMBINE_BLOCK),)](
-        part.to(DEVICE), arg.to(DEVICE), target.to(DEVICE), *outs[:3], None, outs[3], argmax,
+        part.to(DEVICE), arg.to(DEVICE), target.to(DEVICE), *outs[:3], outs[4], outs[3], argmax,
         n, v, splits, -100, eps, zl,
-        NEED_SUM_Z=True, NEED_ST=False, NEED_ENTROPY=True, NEED_ARGMAX=True,
+        NEED_SUM_Z=True, NEED_ST=True, NEED_ENTROPY=True, NEED_ARGMAX=True,
         BLOCK=launch.COMBINE_BLOCK, GROUP=launch.COMBINE_GROUP)
     big = m.max(0).values
     total = (s * (m - big).exp()).sum(0)
@@ -465,12 +468,13 @@ def test_combine_reduces_many_splits_in_groups():
     ent = total.log() - ((m - big).exp() * (a + (m - big) * s)).sum(0) / total
     ent[3] = 0.0
     first = torch.where(m == big, torch.arange(splits)[:, None], splits).min(0).values
-    loss_k, lse_k, lo_k, ent_k = (x.cpu().double() for x in outs)
+    loss_k, lse_k, lo_k, ent_k, st_k = (x.cpu().double() for x in outs)
     torch.testing.assert_close(lse_k, lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(st_k, st.sum(0), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss_k, loss, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(ent_k, ent, rtol=1e-5, atol=1e-5)
     assert torch.equal(argmax.cpu(), arg[first, torch.arange(n)].long())
-    assert (first[:10] == 5).all()
+    assert (first[:10] == 5).all() and (first[10:20] == 2).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -520,6 +524,22 @@ def test_store_backward_scales_in_place_only_when_the_graph_is_freed(monkeypatch
     loss = inductor_xent.linear_cross_entropy(hh, ww, t, strategy="store")
     loss.backward()
     assert torch.equal(hh.grad, first[0]) and torch.equal(ww.grad, first[1])
+
+
+def test_store_op_called_directly_keeps_the_gradients_it_returned(monkeypatch):
+    """The op's gradient outputs are its caller's when it calls the op itself: the backward then
+    scales out of place, and what the caller holds does not change."""
+    from inductor_xent import ops
+
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    h, w, _, t = make_inputs(dtype=torch.bfloat16, seed=17)
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss, gh, gw, _ = ops.STORE(hh, ww, None, t, -100, 0.0, 1.0, None, 0.0, "mean", 0, "1x", True, True, False)
+    held = gh.clone(), gw.clone()
+    (loss * 0.5).backward()
+    assert torch.equal(gh, held[0]) and torch.equal(gw, held[1])
+    assert torch.equal(hh.grad, (held[0].float() * 0.5).to(gh.dtype))
+    assert torch.equal(ww.grad, (held[1].float() * 0.5).to(gw.dtype))
 
 
 def test_store_compiles_with_the_triton_backward(monkeypatch):

@@ -124,7 +124,8 @@ def store_config(dtype: torch.dtype) -> KernelConfig:
 
 def store_dz_config(fwd: KernelConfig) -> KernelConfig:
     """The store strategy's pointwise dz kernel: the forward's tile width (its partials are per
-    tile), fewer rows per program (a [32, 256] tile: 8 fp32 values per thread at 8 warps)."""
+    tile), fewer rows per program (a [32, 128] tile for 16-bit inputs: 16 values per thread at 8
+    warps; H200 --store-kernels: ~3.4 TB/s, no other launch was faster by more than 4%)."""
     if _config.triton_interpret():
         return fwd
     return KernelConfig(32, fwd.block_n, 0, 8, 8, 1)
