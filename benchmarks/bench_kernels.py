@@ -630,7 +630,7 @@ def main(argv=None):
     p.add_argument("--out", default="out")
     p.add_argument("--quick", action="store_true", help="fewer timed runs")
     p.add_argument("--sweep", action="store_true", help="time the kernel configs instead")
-    p.add_argument("--configs", default="", help="--sweep: config names from templates/configs.py")
+    p.add_argument("--configs", default="", help="--sweep, --store-sweep: config names from templates/configs.py")
     p.add_argument("--profile", action="store_true", help="profile our fwd+bwd through the op instead")
     p.add_argument("--store-kernels", action="store_true",
                    help="time the store strategy's dz pass and split combine alone, per launch parameters")
