@@ -11,7 +11,7 @@
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
-#   profile kernel time per method (torch.profiler) at llama3-8b: compile and store, and the GPU's
+#   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
 #           idle gaps
 #   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)
 #   storesweep  the store op per forward tile config at llama3-8b and gemma2-2b (bench --store-sweep)
@@ -75,7 +75,7 @@ for step in ${STEPS//,/ }; do
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
         rl)    timeout 150 python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
-        profile) timeout 120 $BENCH --profile --shapes llama3-8b --methods compile,ours_store 2>&1 \
+        profile) timeout 150 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -70 ;;
         storek) timeout 90 $BENCH --store-kernels --shapes llama3-8b,gemma2-2b 2>&1 | tee "$OUT/storek.log" \
                    | grep -E "^\{|rror" ;;

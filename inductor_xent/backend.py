@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from . import compat, patterns, strategy
-from .inductor_pass import CACHE_SALT
+from .inductor_pass import CACHE_SALT, DONATED_SCALE
 
 XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool, "strategy": str,
                 "store_budget": (str, int, float)}
@@ -78,6 +78,8 @@ def config_patches(mode: Optional[str], inductor_options: dict) -> dict:
         patches[name] = value
     current = patches.get("joint_custom_pre_pass", ic.joint_custom_pre_pass)
     patches["joint_custom_pre_pass"] = compat.add_pass(current, CACHE_SALT)
+    current = patches.get("post_grad_custom_post_pass", ic.post_grad_custom_post_pass)
+    patches["post_grad_custom_post_pass"] = compat.add_pass(current, DONATED_SCALE)
     return patches
 
 

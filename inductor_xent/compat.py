@@ -149,6 +149,21 @@ def graph_retained() -> bool:
     return True if keep is None else bool(keep())  # outside a backward pass torch says True
 
 
+def donated_backward_inputs() -> Optional[frozenset]:
+    """Placeholder positions of the backward graph Inductor is compiling now whose tensors autograd
+    donates to it (saved tensors it frees after this backward and that alias no input or output:
+    AOTAutograd's ``bw_donated_idxs``, what Inductor's own ``DonatedBuffer`` reads); None where
+    this torch does not say. Empty when the backward keeps its graph (``retain_graph``): AOTAutograd
+    then compiles it without donation, and refuses a later ``retain_graph`` backward of one that
+    had donated buffers."""
+    try:
+        from torch._inductor.utils import get_donated_idxs
+    except ImportError:
+        return None
+    idxs = get_donated_idxs()
+    return None if idxs is None else frozenset(idxs)
+
+
 def inductor_config_keys() -> set:
     from torch._inductor import config
 

@@ -1,5 +1,6 @@
 """The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
-(other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``LOGPROB_FORWARD`` and ``LOGPROB_BACKWARD``).
+(other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``STORE_SCALE``, ``STORE_SCALE_``,
+``LOGPROB_FORWARD`` and ``LOGPROB_BACKWARD``).
 
 Strategy ``recompute`` (strategy.py):
 
@@ -27,6 +28,11 @@ Strategy ``store``:
   through ``store_consuming_gradients`` (the functional API, which discards the gradient outputs)
   its eager backward on the Triton path scales them in place unless the graph is retained; called
   directly, it leaves the outputs its caller holds as they were.
+* ``inductor_xent::store_scale(g, s) -> Tensor`` (``g * s``) is that backward as AOTAutograd traces
+  it, and ``inductor_xent::store_scale_(g!, s)`` its in-place form: in a compiled backward whose
+  saved gradients autograd donates (frees after it: no ``retain_graph``), the post-grad pass
+  ``inductor_pass.DonatedScale`` swaps one for the other, so an upstream 1 moves no memory there
+  either.
 
 Log-probabilities (``linear_log_probs``; RL and evaluation heads), recompute only:
 
@@ -53,6 +59,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import compat, config, fallback, strategy
 from .options import KERNEL_DTYPES, LossOptions, compute_dtype
@@ -290,11 +297,38 @@ def _scaled(g: Tensor, grad_loss: Tensor, consumed: bool) -> Tensor:
     """``g * grad_loss``: eagerly on the Triton path a blocked kernel (launch.scaled: the same bits,
     ~4x faster than torch's mixed-dtype product), in place over the saved gradient when its caller
     dropped it (``consumed``) and autograd frees the graph after this backward: then nobody else
-    sees it, and on the GPU ``loss.backward()``'s upstream 1 moves no memory; under torch.compile
-    Inductor generates the product."""
-    if not _concrete(g, grad_loss) or not use_triton(g):
+    sees it, and on the GPU ``loss.backward()``'s upstream 1 moves no memory. Traced (AOTAutograd)
+    it is the ``store_scale`` op, which inductor_pass.DonatedScale runs in place where autograd
+    donates the saved gradient to the compiled backward."""
+    if not _concrete(g, grad_loss):
+        # traced (fake / functional tensors) the op; a tensor subclass (DTensor) keeps torch's product
+        subclass = any(is_traceable_wrapper_subclass(t) for t in (g, grad_loss))
+        return g * grad_loss if subclass else STORE_SCALE(g, grad_loss)
+    if not use_triton(g):
         return g * grad_loss
     return _kernels(g).scaled(g, grad_loss, in_place=consumed and not compat.graph_retained())
+
+
+@torch.library.custom_op("inductor_xent::store_scale", mutates_args=())
+def store_scale(g: Tensor, s: Tensor) -> Tensor:
+    """``g * s`` for a saved gradient ``g`` and the 0-dim upstream gradient ``s``, out of place:
+    store's backward as AOTAutograd traces it."""
+    return _kernels(g).scaled(g, s) if use_triton(g) else g * s
+
+
+@store_scale.register_fake
+def _(g, s):
+    return torch.empty_like(g)
+
+
+@torch.library.custom_op("inductor_xent::store_scale_", mutates_args=("g",))
+def store_scale_(g: Tensor, s: Tensor) -> None:
+    """``g *= s`` (the same bits as ``store_scale``); on the GPU nothing is read or written when
+    ``s`` is 1. Only inductor_pass.DonatedScale puts it in a graph, over a donated saved gradient."""
+    if use_triton(g):
+        _kernels(g).scaled(g, s, in_place=True)
+    else:
+        g.mul_(s)
 
 
 def _concrete(*tensors: Tensor) -> bool:
@@ -423,5 +457,7 @@ linear_logprob_fwd.register_autograd(_lp_backward, setup_context=_lp_setup_conte
 FORWARD = torch.ops.inductor_xent.linear_ce_fwd.default
 BACKWARD = torch.ops.inductor_xent.linear_ce_bwd.default
 STORE = torch.ops.inductor_xent.linear_ce_store.default
+STORE_SCALE = torch.ops.inductor_xent.store_scale.default
+STORE_SCALE_ = torch.ops.inductor_xent.store_scale_.default
 LOGPROB_FORWARD = torch.ops.inductor_xent.linear_logprob_fwd.default
 LOGPROB_BACKWARD = torch.ops.inductor_xent.linear_logprob_bwd.default

@@ -62,6 +62,7 @@ def test_mode_and_inductor_options_become_patches():
     assert patches["max_autotune"] is True and patches["coordinate_descent_tuning"] is True
     assert patches["epilogue_fusion"] is False
     assert install.CACHE_SALT in compat.custom_passes(patches["joint_custom_pre_pass"])
+    assert install.DONATED_SCALE in compat.custom_passes(patches["post_grad_custom_post_pass"])
     with pytest.raises(RuntimeError, match="not an Inductor config key"):
         backend.config_patches(None, {"no_such_knob": 1})
 
@@ -120,13 +121,76 @@ def test_inductor_generated_code_calls_our_ops():
     assert str(ops.FORWARD) in text and str(ops.BACKWARD) in text
 
 
+def _store_case():
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    W = torch.randn(100, 32, requires_grad=True)
+    return h, W, torch.randint(0, 100, (64,))
+
+
+def _mean_ce(h, W, y):
+    return F.cross_entropy(h @ W.t(), y)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_compiled_store_backward_scales_donated_gradients_in_place(retain):
+    """Inductor's backward for the store strategy scales the saved gradients in place (store_scale_,
+    no new buffer) when autograd donates them; a retained graph keeps them (store_scale, out of
+    place) so that a second backward through it sees them unscaled. Gradients equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    h, W, y = _store_case()
+    compiled = torch.compile(_mean_ce, backend="inductor_xent",
+                             options={"xent.strategy": "store", "xent.store_budget": "8x"})
+
+    def step(fn):
+        loss = fn(h, W, y)
+        (loss * 0.5).backward(retain_graph=retain)
+        if retain:
+            (loss * 0.25).backward()
+        return h.grad, W.grad
+
+    with fresh_cache():
+        (gh, gw), code = run_and_get_code(step, compiled)
+    text = "\n".join(code)
+    assert str(ops.STORE) in text
+    assert (str(ops.STORE_SCALE_) in text) is not retain
+    assert (str(ops.STORE_SCALE) in text) is retain
+    h.grad = W.grad = None
+    rh, rw = step(_mean_ce)
+    torch.testing.assert_close(gh, rh)
+    torch.testing.assert_close(gw, rw)
+
+
+def _scale_graph(two_users=False, tangent_name="tangents_1"):
+    g = torch.fx.Graph()
+    saved, s = g.placeholder("getitem_1"), g.placeholder(tangent_name)
+    out = g.call_function(ops.STORE_SCALE, (saved, s))
+    g.output((out, g.call_function(torch.ops.aten.neg.default, (saved,))) if two_users else (out,))
+    return g
+
+
+@pytest.mark.parametrize("case", ["donated", "not_donated", "read_elsewhere", "no_tangents", "cudagraphs"])
+def test_donated_scale_pass_rewrites_only_a_donated_sole_use(monkeypatch, case):
+    monkeypatch.setattr(compat, "donated_backward_inputs", lambda: frozenset() if case == "not_donated" else {0})
+    g = _scale_graph(two_users=case == "read_elsewhere", tangent_name="arg1_1" if case == "no_tangents" else "tangents_1")
+    with ic.patch({"triton.cudagraphs": case == "cudagraphs"}):
+        install.DONATED_SCALE(g)
+    targets = [n.target for n in g.nodes if n.op == "call_function"]
+    assert (ops.STORE_SCALE_ in targets) is (case == "donated")
+    assert (ops.STORE_SCALE in targets) is (case != "donated")
+    if case == "donated":  # the output is the (scaled) saved tensor itself
+        assert g.output_node().args[0][0].name == "getitem_1"
+
+
 # ---------------------------------------------------------------------------------------------
 # install() / uninstall() for backend="inductor" users
 # ---------------------------------------------------------------------------------------------
 def test_install_fires_and_user_pass_still_runs():
     fn, _ = SPELLINGS["linear_view_mean"]
     user = _UserPass()
-    with ic.patch(pre_grad_custom_pass=user, joint_custom_pre_pass=None), fresh_cache():
+    with ic.patch(pre_grad_custom_pass=user, joint_custom_pre_pass=None, post_grad_custom_post_pass=None), \
+            fresh_cache():
         inductor_xent.install()
         passes = compat.custom_passes(ic.pre_grad_custom_pass)
         assert passes[0] is user and isinstance(passes[1], install.XentPass)
@@ -136,7 +200,7 @@ def test_install_fires_and_user_pass_still_runs():
         assert counters["inductor_xent"]["sites_fused"] == 1
         inductor_xent.uninstall()
         assert ic.pre_grad_custom_pass is user
-        assert ic.joint_custom_pre_pass is None
+        assert ic.joint_custom_pre_pass is None and ic.post_grad_custom_post_pass is None
 
 
 def test_compose_forms():
