@@ -430,13 +430,14 @@ def test_store_memory_estimate_uses_the_store_tile():
         assert configs.CONFIGS[name].block_n == strategy.STORE_TILE, name
 
 
-def test_combine_reduces_many_splits_in_groups():
-    """The split combine over more splits than one step takes (70 splits: groups of 32, 32 and a
-    ragged 6; 45 rows: a partial row block), against float64: lse, loss with smoothing and z-loss,
-    the target's sech² sum, entropy, and the argmax of the first split at the row max when a later
-    split ties it, in another group or in the same one."""
+@pytest.mark.parametrize("block, group", [(launch.COMBINE_BLOCK, launch.COMBINE_GROUP), (32, 32)])
+def test_combine_reduces_many_splits_in_groups(block, group):
+    """The split combine over more splits than one step takes (2·group + 6 splits: two full groups
+    and a ragged one; 45 rows: a partial row block), against float64: lse, loss with smoothing and
+    z-loss, the target's sech² sum, entropy, and the argmax of the first split at the row max when a
+    later split ties it, in another group or in the same one. The default launch and 32 x 32."""
     gen = torch.Generator().manual_seed(21)
-    n, splits, v = 45, 70, 9000
+    n, splits, v = 45, 2 * group + 6, 9000
     m = torch.randn(splits, n, generator=gen, dtype=torch.float64) * 3
     s = torch.rand(splits, n, generator=gen, dtype=torch.float64) * 30 + 1
     zt = torch.zeros(splits, n, dtype=torch.float64)
@@ -445,7 +446,7 @@ def test_combine_reduces_many_splits_in_groups():
     sz = torch.randn(splits, n, generator=gen, dtype=torch.float64) * 50
     a = -torch.rand(splits, n, generator=gen, dtype=torch.float64) * 20
     arg = torch.randint(0, v, (splits, n), generator=gen, dtype=torch.int32)
-    m[5, :10] = m[50, :10] = m[:, :10].max(0).values + 1  # a tie across groups: split 5 wins
+    m[5, :10] = m[group + 3, :10] = m[:, :10].max(0).values + 1  # a tie across groups: split 5 wins
     m[9, 10:20] = m[2, 10:20] = m[:, 10:20].max(0).values + 1  # a tie within a group: split 2 wins
     st = torch.rand(splits, n, generator=gen, dtype=torch.float64)
     target = torch.randint(0, v, (n,), generator=gen)
@@ -455,11 +456,11 @@ def test_combine_reduces_many_splits_in_groups():
     outs = [torch.empty(n, dtype=torch.float32, device=DEVICE) for _ in range(5)]
     argmax = torch.empty(n, dtype=torch.int64, device=DEVICE)
     eps, zl = 0.1, 1e-3
-    _forward.lce_combine_kernel[(-(-n // launch.COMBINE_BLOCK),)](
+    _forward.lce_combine_kernel[(-(-n // block),)](
         part.to(DEVICE), arg.to(DEVICE), target.to(DEVICE), *outs[:3], outs[4], outs[3], argmax,
         n, v, splits, -100, eps, zl,
         NEED_SUM_Z=True, NEED_ST=True, NEED_ENTROPY=True, NEED_ARGMAX=True,
-        BLOCK=launch.COMBINE_BLOCK, GROUP=launch.COMBINE_GROUP)
+        BLOCK=block, GROUP=group)
     big = m.max(0).values
     total = (s * (m - big).exp()).sum(0)
     lse = big + total.log()

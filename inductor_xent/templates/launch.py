@@ -25,9 +25,9 @@ from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
 from .store import lce_store_dz_kernel, scale_kernel
 
-COMBINE_BLOCK = 32  # rows per combine program
-COMBINE_GROUP = 32  # splits per step of the combine (H200, 4096 rows, 1002 splits: 0.069 ms, one split per
-# step 0.26; 16 rows x 64 splits timed 0.044 but has not run the GPU suite)
+COMBINE_BLOCK = 16  # rows per combine program
+COMBINE_GROUP = 64  # splits per step of the combine (H200, 4096 rows, 1002 splits: 0.044 ms; 32 x 32 0.069,
+# one split per step 0.26)
 E_ROW_ALIGN = 64  # elements: 128 bytes in 16 bits
 
 
