@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import DATA, IGNORE_INDEX, SHAPES, make_data  # noqa: E402
+from shapes import DATA, IGNORE_INDEX, SHAPES, make_data, shape_of  # noqa: E402
 
 # ours: the functional API with strategy auto; ours_recompute / ours_store: each strategy forced;
 # ours_compiled: the product path, torch.compile(..., backend="inductor_xent") of the eager spelling
@@ -191,6 +191,56 @@ def measure(name, fn, h, w, t, ref, quick):
         with torch.no_grad():
             row["inf_fwd_ms"] = bench_ms(lambda: fn(h, w, t), quick, False)
     return row
+
+
+def interleaved(shapes, methods, rounds, quick):
+    """fwd+bwd of each method in ``rounds`` rounds, the order rotated every round, so that drift of
+    the GPU's clocks over a run falls on every method alike. Per method: the median over rounds,
+    and per round the ratio to the first method (its reference, normally ``compile``), whose median
+    is the comparison this mode is for: two single runs of one method differ by up to ~5% here."""
+    import statistics
+
+    for shape_name in shapes:
+        times = _interleave_shape(shape_name, methods, rounds, quick)
+        ref = methods[0]
+        print(f"| {shape_name} | method | median fwd+bwd ms ({rounds} rounds) | min | max | "
+              f"median of per-round ratio to {ref} |")
+        print("|---|---|---|---|---|---|")
+        for name in methods:
+            ratios = [a / b for a, b in zip(times[name], times[ref])]
+            print(f"| {shape_name} | {name} | {statistics.median(times[name]):.2f} | {min(times[name]):.2f} | "
+                  f"{max(times[name]):.2f} | {statistics.median(ratios):.3f}x |", flush=True)
+        torch.cuda.empty_cache()
+
+
+def _interleave_shape(shape_name, methods, rounds, quick):
+    h, w, t = make_data(SHAPES[shape_name], "gauss")
+    hr, wr = h.requires_grad_(), w.requires_grad_()
+    fns = {}
+    for name in methods:
+        if name == "cublas":
+            fns[name] = lambda: gemms_fwd_bwd(h, w)
+        else:
+            fn = build(name)
+            fns[name] = lambda fn=fn: torch.autograd.grad(fn(hr, wr, t), (hr, wr))
+        fns[name]()  # compile / autotune outside the timing
+    times = {name: [] for name in methods}
+    for r in range(rounds):
+        order = methods[r % len(methods):] + methods[:r % len(methods)]
+        for name in order:
+            times[name].append(bench_ms(fns[name], quick, True))
+        print(json.dumps({"interleaved": shape_name, "round": r, "order": order,
+                          "ms": {k: round(v[-1], 3) for k, v in times.items()}}), flush=True)
+    return times
+
+
+def _adhoc(name):
+    """Whether ``name`` spells a shape ``NxDxV`` (shapes.shape_of); the main run takes those too."""
+    try:
+        shape_of(name)
+    except ValueError:
+        return False
+    return name not in SHAPES
 
 
 def kernel_stats():
@@ -624,7 +674,8 @@ def progress(items, desc):
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="llama3-8b,gemma2-2b,gpt2", help=f"from {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default="llama3-8b,gemma2-2b,gpt2",
+                   help=f"from {', '.join(SHAPES)}, or NxDxV (the main run)")
     p.add_argument("--data", default=",".join(DATA))
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--out", default="out")
@@ -638,6 +689,9 @@ def main(argv=None):
                    help="time the store op per forward tile config (--configs) instead")
     p.add_argument("--store-options", action="store_true",
                    help="measure the store strategy's weight-gradient accumulation options instead")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="time fwd+bwd only, the methods interleaved over this many rounds (the first method "
+                        "is the reference of the ratios)")
     p.add_argument("--scan", action="store_true",
                    help=f"time and memory against V and N (methods default {SCAN_METHODS}); plots bench_scan.png")
     args = p.parse_args(argv)
@@ -669,10 +723,13 @@ def main(argv=None):
     if args.store_kernels:
         store_kernels(shapes)
         return 0
+    if args.rounds:
+        interleaved(shapes, args.methods.split(","), args.rounds, args.quick)
+        return 0
     info = env_info()
     print(json.dumps(info), flush=True)
     rows = []
-    shape_table = scan_shapes() if args.scan else SHAPES
+    shape_table = scan_shapes() if args.scan else {**SHAPES, **{s: shape_of(s) for s in shapes if _adhoc(s)}}
     if args.scan:
         shapes, args.data = list(shape_table), "gauss"
     unknown = [s for s in shapes if s not in shape_table]

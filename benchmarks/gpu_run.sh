@@ -7,6 +7,9 @@
 #   full    bench kernels, gauss and zipf, every method
 #   llama   bench kernels at llama3-8b, gauss: cuBLAS, torch.compile and ours (when a call has little time)
 #   gemma   bench kernels at gemma2-2b, gauss: cuBLAS, torch.compile, ours (auto) and recompute
+#   rounds  fwd+bwd of compile, cuBLAS, ours (auto) and ours through the backend, interleaved over 5
+#           rounds at llama3-8b and gemma2-2b (medians and per-round ratios to compile)
+#   n16k    compile and ours (auto) at N = 16384 rows, llama3-8b's and gemma2-2b's D and V (memory target)
 #   storepair  the store op with its tile and the forward's, twice each, alternating (bench --store-sweep)
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
@@ -65,6 +68,10 @@ for step in ${STEPS//,/ }; do
                    --methods cublas,compile,ours,ours_recompute,ours_compiled 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         gemma) timeout 150 $BENCH --quick --shapes gemma2-2b --data gauss \
                    --methods cublas,compile,ours,ours_recompute 2>&1 | tee "$OUT/bench_gemma.log" | grep -E "^\||error" ;;
+        rounds) timeout 400 $BENCH --rounds 5 --quick --shapes llama3-8b,gemma2-2b \
+                   --methods compile,cublas,ours,ours_compiled 2>&1 | tee "$OUT/rounds.log" | grep -E "^\||rror" ;;
+        n16k)  timeout 200 $BENCH --quick --shapes 16384x4096x128256,16384x2304x256000 --data gauss \
+                   --methods compile,ours --out "$OUT/n16k" 2>&1 | tee "$OUT/n16k.log" | grep -E "^\||rror" ;;
         storepair) timeout 120 $BENCH --store-sweep --quick --shapes llama3-8b,gemma2-2b \
                    --configs m256n128k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma,m128n256k64w8s4tma 2>&1 \
                    | tee "$OUT/storepair.log" | grep -E "^\{|rror" ;;
@@ -90,7 +97,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log storek.log storesweep.log storepair.log bench_gemma.log bench.log e2e.log; do
+         rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log bench_gemma.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"
