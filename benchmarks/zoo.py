@@ -10,13 +10,15 @@ others; and whether the compiled loss and every parameter gradient are within Py
     python benchmarks/zoo.py                      # the whole sweep (~12 minutes on 2 CPU cores)
     python benchmarks/zoo.py llama gpt2 mixtral   # some model types
     python benchmarks/zoo.py --json out.json      # also write the rows
-    python benchmarks/zoo.py --nested-graph-breaks   # with the opt-in INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1
+    python benchmarks/zoo.py --no-nested-graph-breaks  # INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0: no nested graph breaks
     python benchmarks/zoo.py --no-dynamo-tuning   # INDUCTOR_XENT_DYNAMO_TUNING=0: Dynamo as torch ships it
 
 The sweep runs as a user's program would: transformers is imported, then
 ``torch.compile(..., backend="inductor_xent")`` looks the backend up, which applies the Dynamo tuning
-of ``INDUCTOR_XENT_DYNAMO_TUNING`` / ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS`` (inductor_xent/compat.py,
-``tune_dynamo``); the two flags above set those variables (default: as in the environment). The
+of ``INDUCTOR_XENT_DYNAMO_TUNING`` (inductor_xent/compat.py, ``tune_dynamo``), and each compiled call
+runs inside the backend's ``DynamoScope`` (nested graph breaks unless
+``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``); the two flags above set those variables (default: as in the
+environment). The
 compiled run uses the real backend with ``options={"xent.inner": "aot_eager"}`` (AOTAutograd, no code
 generation: the rewrite is the same, the run is fast on CPU); ``explain`` gives the reason of every
 site that was not fused.
@@ -454,9 +456,9 @@ def main(argv=None) -> int:
                    help="INDUCTOR_XENT_DYNAMO_TUNING=1/0: Dynamo skips transformers' warning_once (the "
                         "loss_type warning) or breaks the graph on it (default: the environment's, else on)")
     p.add_argument("--nested-graph-breaks", action=argparse.BooleanOptionalAction, default=None,
-                   help="INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1/0: torch._dynamo.config.nested_graph_breaks = True "
-                        "(what the breaks inside forward need) or as torch ships it (default: the environment's, "
-                        "else off)")
+                   help="INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1/0: the backend's calls traced with "
+                        "torch._dynamo.config.nested_graph_breaks = True (what the breaks inside forward need) or "
+                        "as torch ships it (default: the environment's, else on)")
     args = p.parse_args(argv)
     for name, value in (("INDUCTOR_XENT_DYNAMO_TUNING", args.dynamo_tuning),
                         ("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", args.nested_graph_breaks)):
@@ -481,7 +483,7 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; "
           f"INDUCTOR_XENT_DYNAMO_TUNING={int(config.dynamo_tuning())} (Dynamo ignores transformers' warning_once: "
           f"{_ignores_warning_once()}), INDUCTOR_XENT_NESTED_GRAPH_BREAKS={int(config.nested_graph_breaks())} "
-          f"(nested_graph_breaks: {torch._dynamo.config.nested_graph_breaks})")
+          f"(nested graph breaks in the backend's calls only)")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0

@@ -17,14 +17,19 @@ our own keys, prefixed ``xent.``:
   gradients (inductor_xent/strategy.py); default from ``INDUCTOR_XENT_STRATEGY`` /
   ``INDUCTOR_XENT_STORE_BUDGET``.
 
-Dynamo options (``compat.tune_dynamo``): Dynamo traces before any backend runs, so the options that
-decide where it breaks the graph are set when this module is imported, which is when
-``torch.compile(..., backend="inductor_xent")`` looks the backend up through the entry point, before
-anything is traced; and again at each call of the backend (idempotent), for a transformers imported
-after ``torch.compile``. By default that only lets Dynamo skip transformers' ``warning_once`` calls;
-``INDUCTOR_XENT_DYNAMO_TUNING=0`` switches it off, ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` also sets
-``nested_graph_breaks``. These are the only Dynamo options the package sets, and the only settings
-it changes for the whole process without being asked (``install()`` is asked).
+Dynamo options: Dynamo traces before any backend runs, so the options that decide where it breaks
+the graph are set before it traces.
+
+* ``compat.tune_dynamo`` lets Dynamo skip transformers' ``warning_once`` calls, for the whole
+  process: set when this module is imported (when ``torch.compile(..., backend="inductor_xent")``
+  looks the backend up through the entry point) and again at each call of the backend (idempotent),
+  for a transformers imported after ``torch.compile``; ``INDUCTOR_XENT_DYNAMO_TUNING=0`` switches
+  it off. The only setting the package changes for the whole process without being asked
+  (``install()`` is asked).
+* ``compat.DynamoScope``, this backend's ``backend_ctx_ctor``, sets ``nested_graph_breaks`` only
+  while a function compiled with this backend runs (``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``: not
+  at all); ``compat.honour_backend_ctx`` makes ``torch.compile`` enter it, as
+  ``torch._dynamo.optimize`` does (torch.compile's backend wrapper hides the attribute).
 """
 
 from __future__ import annotations
@@ -96,4 +101,7 @@ def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Op
     return compat.compile_fx(gm, example_inputs, patches)
 
 
+inductor_xent.backend_ctx_ctor = compat.DynamoScope  # entered around every compiled call
+inductor_xent._inductor_xent_backend = True
+compat.honour_backend_ctx()
 compat.tune_dynamo()  # at lookup: the entry point imports this module before Dynamo traces anything

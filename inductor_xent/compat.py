@@ -11,8 +11,12 @@
   ``prim_to_local`` that holds the arguments (``dtensor_method`` reads both).
 * Dynamo's ``ignore_logging_functions`` (a set; ``LoggingLoggerVariable.call_method`` drops a
   ``logging.Logger`` method call whose bound method or ``__func__`` is in it) and
-  ``nested_graph_breaks`` (a bool, off by default) exist in both; ``tune_dynamo`` sets them. 2.11's
-  compilation-metrics log cannot write a function in the first (``_LoggableFunction``).
+  ``nested_graph_breaks`` (a bool, off by default) exist in both; ``tune_dynamo`` sets the first,
+  ``DynamoScope`` the second. 2.11's compilation-metrics log cannot write a function in the first
+  (``_LoggableFunction``).
+* A backend's ``backend_ctx_ctor`` (entered around every call of what it compiled): honoured by
+  ``torch._dynamo.optimize``, dropped under ``torch.compile``'s ``_TorchCompileWrapper`` in both;
+  ``honour_backend_ctx`` hands ours on (tests/test_backend.py checks both ways).
 * ``graph_retained``: whether the running backward keeps its graph (``retain_graph`` /
   ``create_graph``), from ``torch._C._autograd._get_current_graph_task_keep_graph`` (private, in
   both); where it is missing the answer is True, the safe one.
@@ -247,14 +251,10 @@ def tune_dynamo() -> dict:
     ``torch._dynamo.config.ignore_logging_functions``: no graph break on it, and compiled code does not
     print such a warning (eager code still does). No other logging call is affected.
 
-    ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` (opt-in) also sets ``nested_graph_breaks = True``: a graph
-    break inside ``forward`` (an ``.item()`` in a router) then no longer ends the graph at forward's
-    return, which hands the logits to the caller (9 of the 189). Off by default: it changes how
-    Dynamo handles every graph break in the process, and PyTorch still ships it off.
-
-    The backend calls this when it is looked up and at each call; the options are process-wide (a
-    backend cannot scope them to its own frames: tests/test_backend.py), and a frame Dynamo traced
-    before they were set keeps its graph breaks until it is traced again.
+    The backend calls this when it is looked up and at each call; the option is process-wide (it
+    must hold when Dynamo traces, which is before any backend runs), and a frame Dynamo traced before
+    it was set keeps its graph breaks until it is traced again. ``nested_graph_breaks`` is scoped
+    instead: ``DynamoScope``.
     """
     from torch._dynamo import config as dynamo_config
 
@@ -270,9 +270,69 @@ def tune_dynamo() -> dict:
         log.info("inductor_xent: added transformers' logger.warning_once to "
                  "torch._dynamo.config.ignore_logging_functions (no graph break on it; compiled code does not "
                  "print it); INDUCTOR_XENT_DYNAMO_TUNING=0 leaves Dynamo's configuration alone")
-    if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
-        dynamo_config.nested_graph_breaks = True
-        changed["nested_graph_breaks"] = True
-        log.info("inductor_xent: set torch._dynamo.config.nested_graph_breaks = True "
-                 "(INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1)")
+    config.nested_graph_breaks()  # a bad value is an error here too, before anything is traced
     return changed
+
+
+class DynamoScope:
+    """The backend's ``backend_ctx_ctor``: Dynamo entered around every call of a function compiled
+    with ``backend="inductor_xent"`` (and around ``explain``'s trace), with ``nested_graph_breaks =
+    True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``; the option is restored when the call
+    returns. A graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo
+    skips) then no longer ends the graph at forward's return, which would hand the logits to the
+    caller: the caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).
+    Scoped because it changes how Dynamo handles every graph break and PyTorch still ships it off:
+    other compiled functions in the process trace as before."""
+
+    def __init__(self):
+        self._patch = None
+
+    def __enter__(self):
+        from torch._dynamo import config as dynamo_config
+
+        from . import config
+
+        if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
+            self._patch = dynamo_config.patch(nested_graph_breaks=True)
+            self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        patch, self._patch = self._patch, None
+        if patch is not None:
+            patch.__exit__(*exc)
+        return False
+
+
+def honour_backend_ctx() -> bool:
+    """Have ``torch.compile(..., backend=<ours>)`` enter our backend's ``backend_ctx_ctor`` around the
+    compiled calls, as ``torch._dynamo.optimize(<ours>)`` does. ``torch.compile`` wraps every backend
+    in ``torch._TorchCompileWrapper``, and Dynamo's ``get_compiler_fn`` copies the attributes of that
+    wrapper (not of the backend inside it) onto what ``_optimize`` reads ``backend_ctx_ctor`` from,
+    so the attribute is lost. This wraps ``torch._dynamo.eval_frame.get_compiler_fn`` (the name
+    ``_optimize`` and ``optimize_assert`` call) once, to hand the attribute on when the wrapped
+    backend is ours (marked ``_inductor_xent_backend``); every other backend gets what it got. It
+    acts after the entry point has imported us (inside the wrapper's construction, before
+    ``_optimize`` runs), so the first ``torch.compile`` of a process gets it too. Returns whether
+    the hook is in place."""
+    from torch._dynamo import eval_frame
+
+    original = getattr(eval_frame, "get_compiler_fn", None)
+    if original is None:
+        return False
+    if getattr(original, "_inductor_xent_hook", False):
+        return True
+
+    def get_compiler_fn(compiler_fn):
+        result = original(compiler_fn)
+        ours = getattr(compiler_fn, "compiler_fn", compiler_fn)  # torch.compile's wrapper, or the backend
+        ctor = getattr(ours, "backend_ctx_ctor", None)
+        if getattr(ours, "_inductor_xent_backend", False) and ctor is not None:
+            result.backend_ctx_ctor = ctor
+        return result
+
+    get_compiler_fn.__wrapped__ = original
+    get_compiler_fn.__doc__ = original.__doc__
+    get_compiler_fn._inductor_xent_hook = True
+    eval_frame.get_compiler_fn = get_compiler_fn
+    return True

@@ -97,6 +97,8 @@ def dynamo_tuning() -> bool:
 
 
 def nested_graph_breaks() -> bool:
-    """``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``: ``1`` sets ``torch._dynamo.config.nested_graph_breaks =
-    True`` for the whole process when the backend is looked up; ``0`` (default) leaves it as it is."""
-    return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", False)
+    """``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``: ``1`` (default) traces what runs inside a function
+    compiled with ``backend="inductor_xent"`` (and ``explain``) with
+    ``torch._dynamo.config.nested_graph_breaks = True``, restored when the call returns
+    (``compat.DynamoScope``); ``0`` leaves Dynamo's option as it is."""
+    return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", True)

@@ -5,8 +5,9 @@ or several joined by ``+`` when they share one op call).
 
 It compiles ``fn`` with a recording backend (Dynamo's graphs go through our pass, then run eagerly),
 calls it once with the given arguments and returns a ``Report``. Like ``torch._dynamo.explain`` it
-resets Dynamo before and after, so ``fn`` is traced from scratch; like the backend it first applies
-the Dynamo tuning (``compat.tune_dynamo``), so that it traces as ``backend="inductor_xent"`` would.
+resets Dynamo before and after, so ``fn`` is traced from scratch; like the backend it applies the
+Dynamo tuning (``compat.tune_dynamo``) and traces inside ``compat.DynamoScope``, so that it traces as
+``backend="inductor_xent"`` would.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from .patterns import ESCAPE_HINT, Site
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
 # benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, which the default
-# Dynamo tuning skips; 9 elsewhere in forward, which nested graph breaks fix)
+# Dynamo tuning skips; 9 elsewhere in forward, which the nested graph breaks of compat.DynamoScope fix)
 LOSS_TYPE_HINT = (
     "transformers logs a warning_once about loss_type=None inside forward (models whose class name gives "
     "no loss type, e.g. GPT2LMHeadModel) and Dynamo graph-breaks on a logging.Logger call; inductor_xent's "
@@ -27,9 +28,16 @@ LOSS_TYPE_HINT = (
 )
 NESTED_HINT = (
     "Dynamo graph-breaks inside the model's forward ({}), so the forward's last graph ends at its return "
-    "and hands the whole output, logits included, to the caller: remove that break, or run with "
-    "INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1 (or set torch._dynamo.config.nested_graph_breaks = True before "
-    "the first call; Dynamo then keeps tracing the caller, and a function that returns only the loss fuses)"
+    "and hands the whole output, logits included, to the caller: remove that break{}"
+)
+NESTED_OFF = (
+    ", or unset INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0 (by default the backend traces with "
+    "torch._dynamo.config.nested_graph_breaks = True; Dynamo then keeps tracing the caller, and a function "
+    "that returns only the loss fuses)"
+)
+NESTED_ON = (
+    " (Dynamo traced with nested_graph_breaks = True and still ended the caller's graph there: a break "
+    "it cannot continue across)"
 )
 
 
@@ -113,7 +121,7 @@ def explain(fn, *args, **kwargs) -> Report:
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
     try:
-        with torch._dynamo.config.patch(suppress_errors=False):
+        with torch._dynamo.config.patch(suppress_errors=False), compat.DynamoScope():  # as the backend traces
             torch.compile(fn, backend=recording_backend)(*args, **kwargs)
         new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
         report.graph_break_count = sum(new.values())
@@ -138,6 +146,8 @@ def _with_break_hint(site: Site, report: Report, breaks: dict) -> str:
             return f"{site.reason}; {LOSS_TYPE_HINT}"
         return f"{site.reason}; Dynamo broke the graph at: {'; '.join(report.graph_break_reasons)}"
     if site.logits_escape:
+        from . import config
+
         return f"{site.reason}; if the compiled function returns only the loss: " + NESTED_HINT.format(
-            "; ".join(report.graph_break_reasons))
+            "; ".join(report.graph_break_reasons), NESTED_ON if config.nested_graph_breaks() else NESTED_OFF)
     return site.reason

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import pickle
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -269,8 +272,8 @@ def test_torch_compile_drops_backend_ctx_ctor():
     attribute entered around the compiled frames, is honoured by ``torch._dynamo.optimize`` but not by
     ``torch.compile``, which wraps every backend (string or callable, with or without options) in
     ``_TorchCompileWrapper`` without it (torch 2.11 and 2.13). And the backend itself runs only after
-    Dynamo has traced. If this fails, torch has started honouring the hook: those options can then be
-    scoped to our frames."""
+    Dynamo has traced. If this fails, torch has started honouring the hook, and
+    ``compat.honour_backend_ctx`` (which hands ours on) can go."""
     entered = []
 
     class Recording:
@@ -394,25 +397,78 @@ def _forward_with_item(x, W, y):
     return {"loss": F.cross_entropy(logits.view(-1, V), y.view(-1)), "logits": logits}
 
 
-def test_nested_graph_breaks_opt_in(untuned_dynamo, monkeypatch):
-    """Off by default: the forward's last graph returns the logits and the site declines. With
-    ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` the backend sets ``nested_graph_breaks`` (at lookup, and at
-    its first call for the frames traced next) and a loss-only function around that forward fuses,
-    loss and gradients within torch's error."""
+def test_nested_graph_breaks_scoped_to_our_compiled_calls(untuned_dynamo, monkeypatch):
+    """By default a function compiled with backend="inductor_xent" is traced with
+    ``nested_graph_breaks`` (compat.DynamoScope, entered around each call): a loss-only function around
+    a forward that breaks before its lm_head fuses, loss and gradients within torch's error (string or
+    callable backend, with options). The option is back to False after each call, another backend in
+    the same process traces without it, and ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` leaves it off for
+    ours too (the site declines)."""
     ins = {k: make_inputs()[k] for k in ("x", "W", "y")}
 
     def loss_only(x, W, y):
         return _forward_with_item(x, W, y)["loss"]
 
-    aot = {"xent.inner": "aot_eager"}
-    assert_parity(loss_only, ins, counting(backend.inductor_xent, **aot), what="nested off")
+    for how in ("inductor_xent", backend.inductor_xent):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.compile(loss_only, backend=how, options={"xent.inner": "aot_eager"})(**leaves(ins)).backward()
+        assert counters["inductor_xent"]["sites_fused"] == 1, how
+        assert counters["inductor_xent"]["sites_declined"] == 0, how
+        assert untuned_dynamo.nested_graph_breaks is False
+    torch._dynamo.reset()
+    counters.clear()
+    assert_parity(loss_only, ins, "inductor_xent", what="nested graph breaks, scoped")
+    assert counters["inductor_xent"]["sites_fused"] >= 1
+
+    torch._dynamo.reset()
+    counters.clear()  # another backend (ours behind Dynamo's compile counter): no scope, the site declines
+    assert_parity(loss_only, ins, counting(backend.inductor_xent, **{"xent.inner": "aot_eager"}), what="other")
+    assert counters["inductor_xent"]["sites_fused"] == 0 and counters["inductor_xent"]["sites_declined"] >= 1
+
+    monkeypatch.setenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "0")
+    torch._dynamo.reset()
+    counters.clear()
+    assert_parity(loss_only, ins, "inductor_xent", what="nested off")
     assert counters["inductor_xent"]["sites_fused"] == 0 and counters["inductor_xent"]["sites_declined"] >= 1
     assert untuned_dynamo.nested_graph_breaks is False
 
-    monkeypatch.setenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "1")
-    torch._dynamo.reset()
-    counters.clear()
-    torch.compile(lambda x: x.cos(), backend="inductor_xent", options=aot)(torch.randn(3))
-    assert untuned_dynamo.nested_graph_breaks is True
-    assert_parity(loss_only, ins, counting(backend.inductor_xent, **aot), what="nested on")
-    assert counters["inductor_xent"]["sites_fused"] == 1 and counters["inductor_xent"]["sites_declined"] == 0
+
+_FIRST_COMPILE = """
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+
+def forward(x, W, y):  # breaks before its lm_head and returns the logits beside the loss
+    if x.detach().abs().max().item() >= 0:
+        x = torch.relu(x)
+    logits = F.linear(x, W)
+    return {"loss": F.cross_entropy(logits, y), "logits": logits}
+
+
+x, W = torch.randn(8, 16, requires_grad=True), torch.randn(50, 16, requires_grad=True)
+y = torch.randint(0, 50, (8,))
+assert "inductor_xent" not in sys.modules
+loss = torch.compile(lambda x, W, y: forward(x, W, y)["loss"], backend="inductor_xent",
+                     options={"xent.inner": "aot_eager"})(x, W, y)
+loss.backward()
+print(counters["inductor_xent"]["sites_fused"], counters["inductor_xent"]["sites_declined"],
+      torch._dynamo.config.nested_graph_breaks)
+"""
+
+
+def test_first_torch_compile_of_a_process_gets_the_scope(tmp_path):
+    """The entry point imports the backend inside torch.compile's backend wrapper, before Dynamo reads
+    the wrapper's attributes: the very first compile of a process already runs in DynamoScope (its
+    forward's .item() break does not keep the site from fusing), and leaves the option as it was."""
+    script = tmp_path / "first.py"
+    script.write_text(_FIRST_COMPILE)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("INDUCTOR_XENT_")}
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "0", "False"], done.stdout

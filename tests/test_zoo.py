@@ -46,10 +46,10 @@ FUSED = {
     "prophetnet": "logits.transpose(0, 1) of [B, ngram, T, V], then log_softmax + nll_loss",
     "dory": "a learned per-vocabulary logit scale folded into the weight",
     "gpt2": "no loss_type: transformers' warning_once inside forward, skipped by the default Dynamo tuning",
+    "xlm": "an .item() inside forward: fuses through the nested graph breaks the backend scopes to its calls",
 }
 # model_type -> what the decline must tell the user to change (the result is still eager's)
 DECLINED = {
-    "xlm": "INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1",  # an .item() in forward: its last graph returns the logits
     "musicgen": "stacked",  # four codebook heads stacked, then indexed
 }
 # words in every remaining decline's reason that name what to change (model.loss_type: only with
@@ -105,4 +105,4 @@ def test_zoo_whole_sweep():
         if not r.ok:
             assert r.reasons and all(any(h in reason for h in HINTS) for reason in r.reasons), (r.model_type,
                                                                                                r.reasons)
-    assert sum(r.ok for r in built) >= 0.94 * len(built)  # 178 of 189 with transformers 5.24 (94.2%)
+    assert sum(r.ok for r in built) >= 0.98 * len(built)  # the issue's target
