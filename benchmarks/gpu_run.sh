@@ -2,6 +2,7 @@
 # Everything that needs the GPU box, in as few device calls as possible. Steps (comma-separated):
 #   tests   the README's test command, the whole suite (python3 -m pytest -q), CUDA tests included
 #   gputests  only the files whose tests run kernels on the GPU (when a call has little time)
+#   dynamotests  only the files whose tests depend on how Dynamo traces (zoo subset, models, backend, explain)
 #   store   the store strategy's weight-gradient accumulation options (bench kernels --store-options)
 #   quick   bench kernels, gauss, the main methods and Liger, all three shapes
 #   full    bench kernels, gauss and zipf, every method
@@ -51,6 +52,9 @@ for step in ${STEPS//,/ }; do
                    | grep -vE "^\.|^\s*$" | tail -40 ;;
         gputests) timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short tests/test_gpu_kernels.py \
                    tests/test_templates.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -vE "^\.|^\s*$" | tail -30 ;;
+        dynamotests) timeout 250 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short tests/test_zoo.py \
+                   tests/test_models.py tests/test_backend.py tests/test_explain.py 2>&1 | tee "$OUT/pytest_dynamo.log" \
+                   | grep -vE "^\.|^\s*$" | tail -30 ;;
         store) timeout 150 $BENCH --store-options --quick --shapes llama3-8b 2>&1 | tee "$OUT/store.log" | grep -v "^{" ;;
         quick) timeout 240 $BENCH --quick --data gauss \
                    --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
@@ -96,7 +100,7 @@ for step in ${STEPS//,/ }; do
 done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
-for f in pytest.log pytest_gpu.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
+for f in pytest.log pytest_gpu.log pytest_dynamo.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
          rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log bench_gemma.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
