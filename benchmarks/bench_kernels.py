@@ -438,6 +438,44 @@ def store_sweep(shapes, quick, names):
         torch.cuda.empty_cache()
 
 
+def store_forward(shapes, names, rounds):
+    """The store strategy's forward alone (the logits kernel with the E store, and the split
+    combine) on one chunk of half the shape's rows, per config (--configs), the configs interleaved
+    over ``rounds`` rounds in rotated order: the median ms of each and its ratio to the first."""
+    import statistics
+
+    from triton.testing import do_bench
+
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import configs, launch
+
+    o = LossOptions()
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        h, w, t = make_data(shape, "gauss")
+        m = shape.n // 2
+        h_c, t_c = h[:m], t[:m]
+        outs = tuple(torch.empty(m, device="cuda") for _ in range(3))
+        e = torch.empty((m, shape.v), dtype=torch.float16, device="cuda")
+        times = {name: [] for name in names}
+
+        def run(cfg, h_c=h_c, w=w, t_c=t_c, outs=outs, e=e):
+            launch._forward_pass(h_c, w, None, t_c, o, cfg, -(-w.shape[0] // cfg.block_n), 1, outs, e=e)
+
+        for r in range(rounds):
+            for name in names[r % len(names):] + names[: r % len(names)]:
+                cfg = configs.CONFIGS[name]._replace(split_tiles=1)
+                times[name].append(do_bench(lambda cfg=cfg, run=run: run(cfg), warmup=10, rep=60, return_mode="median"))
+        first = statistics.median(times[names[0]])
+        for name in names:
+            med = statistics.median(times[name])
+            print(json.dumps({"store_forward": shape_name, "rows": m, "config": name, "ms": med,
+                              "ratio": med / first, "tflops": 2 * m * shape.d * shape.v / med / 1e9,
+                              "rounds": times[name]}), flush=True)
+        del h, w, t, e, h_c, t_c
+        torch.cuda.empty_cache()
+
+
 def sweep(shapes, quick, out, names=None):
     """Time each candidate config of the forward and of the backward (launch.* with cfg=)."""
     from inductor_xent.templates import configs
@@ -687,6 +725,8 @@ def main(argv=None):
                    help="time the store strategy's dz pass and split combine alone, per launch parameters")
     p.add_argument("--store-sweep", action="store_true",
                    help="time the store op per forward tile config (--configs) instead")
+    p.add_argument("--store-forward", action="store_true",
+                   help="time the store forward alone per config (--configs), interleaved over --rounds (default 5)")
     p.add_argument("--store-options", action="store_true",
                    help="measure the store strategy's weight-gradient accumulation options instead")
     p.add_argument("--rounds", type=int, default=0,
@@ -722,6 +762,9 @@ def main(argv=None):
         return 0
     if args.store_kernels:
         store_kernels(shapes)
+        return 0
+    if args.store_forward:
+        store_forward(shapes, [c for c in args.configs.split(",") if c], args.rounds or 5)
         return 0
     if args.rounds:
         interleaved(shapes, args.methods.split(","), args.rounds, args.quick)

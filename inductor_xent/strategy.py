@@ -38,7 +38,8 @@ CHUNK_ALIGN = 128  # rows per chunk: a multiple of 128 (the store forward's 16-b
 # Fewer rows per chunk than this and the three GEMMs per chunk lose their speed (H200, llama3-8b
 # shape: chunks of 1024 rows 44.5 ms against 42.7 for 2048); store then is not worth its memory.
 MIN_CHUNK_ROWS = 1024
-STORE_TILE = 128  # the store kernel's vocabulary tile (configs.STORE_TABLE): 12 bytes of partials per (row, tile)
+# the store forward's vocabulary tile per input itemsize (configs.STORE_TABLE): 12 bytes of partials per (row, tile)
+STORE_TILE = {2: 256, 4: 128}
 # On CUDA, ``auto`` takes store only from this hidden size up. Store saves one 2·N·D·V GEMM and pays
 # passes over [N, V] tensors (E written and read, dz written and read twice) whose cost does not
 # shrink with D; at small D the GEMM it saves is cheaper than those passes. Measured on the H200
@@ -127,7 +128,7 @@ def store_bytes(n: int, v: int, d: int, itemsize: int, weight_itemsize: int, chu
 
 def _per_row(v: int, itemsize: int) -> int:
     """Bytes per row of a chunk: the exp-logits and three fp32 partials per vocabulary tile."""
-    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE)) * 12
+    return v * (4 if itemsize >= 4 else 2) + (-(-v // STORE_TILE[min(itemsize, 4)])) * 12
 
 
 # N to plan for when the rows are a dynamic size under torch.compile (the decision must not

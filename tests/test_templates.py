@@ -263,7 +263,9 @@ def test_z_loss_gradient_where_softmax_is_onehot(smoothing):
 def test_tma_descriptors(monkeypatch, dtype):
     """The TMA path (operands as tensor descriptors; out-of-bounds rows, columns and the D tail
     read as zeros instead of being clamped and masked), forward and backward, with splits and
-    chunks. D=32: descriptor rows must be 16-byte aligned."""
+    chunks, and the store forward's flattened persistent loop (4 programs over 3 row blocks x 5
+    tiles: each walks several tiles, the grouped order across row blocks). D=32: descriptor rows
+    must be 16-byte aligned."""
     if CUDA and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("TMA descriptors need Hopper or later")
     monkeypatch.setattr(configs, "BWD_EXTRA_BYTES", 0)
@@ -271,10 +273,12 @@ def test_tma_descriptors(monkeypatch, dtype):
     tma = configs.CONFIGS["interpret"]._replace(tma=True)
     monkeypatch.setattr(configs, "dlogits_config", lambda dtype: tma)
     monkeypatch.setattr(configs, "forward_config", lambda dtype: tma)
+    monkeypatch.setattr(configs, "store_config", lambda dtype: tma._replace(split_tiles=1))
     h, w, b, t = make_inputs(d=32, dtype=dtype, bias=True, seed=13)
     assert launch._tma_ok(tma, h, w) and not launch._tma_ok(tma, h, w.t().contiguous().t())
     check_case(h, w, b, t, LossOptions(label_smoothing=0.1, softcap=4.0, z_loss=1e-3))
     check_store(h, w, b, t, LossOptions(softcap=4.0, z_loss=1e-3), chunk_rows=16)
+    check_store(h, w, b, t, LossOptions(label_smoothing=0.1), chunk_rows=0)
 
 
 @pytest.mark.parametrize("needs", [(True, False, False), (False, True, False), (False, False, True)])
@@ -426,8 +430,9 @@ def test_store_memory_estimate_uses_the_store_tile():
     the vocabulary tile of the store forward's GPU configs (configs.STORE_TABLE), 16-bit and fp32."""
     from inductor_xent import strategy
 
-    for name in configs.STORE_TABLE.values():
-        assert configs.CONFIGS[name].block_n == strategy.STORE_TILE, name
+    assert set(configs.STORE_TABLE) == set(strategy.STORE_TILE)
+    for itemsize, name in configs.STORE_TABLE.items():
+        assert configs.CONFIGS[name].block_n == strategy.STORE_TILE[itemsize], name
 
 
 @pytest.mark.parametrize("block, group", [(launch.COMBINE_BLOCK, launch.COMBINE_GROUP), (32, 32)])

@@ -46,11 +46,11 @@ CONFIGS: dict[str, KernelConfig] = {
     "m128n256k64w8s3tma": KernelConfig(128, 256, 64, 8, 8, 3, tma=True),
     "m128n256k64w8s4tma": KernelConfig(128, 256, 64, 8, 8, 4, tma=True),
     "m256n128k64w8s3tma": KernelConfig(256, 128, 64, 8, 8, 3, tma=True),
-    # store mode (one tile per program, an epilogue that writes the tile): smaller tiles that may
-    # fit two programs per SM, one's epilogue under the other's matmul (bench --store-sweep)
+    # store forward (an epilogue that writes the tile): smaller tiles (bench --store-sweep, --store-forward)
     "m128n128k64w8s4tma": KernelConfig(128, 128, 64, 8, 8, 4, tma=True),
     "m128n128k64w4s4tma": KernelConfig(128, 128, 64, 8, 4, 4, tma=True),
     "m128n128k64w8s3tma": KernelConfig(128, 128, 64, 8, 8, 3, tma=True),
+    "m256n128k64w8s4tma": KernelConfig(256, 128, 64, 8, 8, 4, tma=True),
     # smaller accumulator: no spills (ptxas: 186 registers, 0 stack, offline sm_90 compile), but
     # 186 x 256 threads still allows only one CTA per SM
     "m128n128k64w8s3": KernelConfig(128, 128, 64, 8, 8, 3),
@@ -108,13 +108,14 @@ def dlogits_config(dtype: torch.dtype) -> KernelConfig:
     return _pick(DLOGITS_TABLE, dtype)
 
 
-# The store strategy's forward, one vocabulary tile per program (the exp-logit tile is normalised
-# by that tile's own max). H200 (bf16, 2026-12-03, the whole store op in 2 chunks, one run,
-# bench --store-sweep): llama3-8b / gemma2-2b ms: 128x256 s4 TMA (the forward's tile) 40.42 / 48.86;
-# 128x256 s3 TMA 39.47 / 50.21; 256x128 s3 TMA 39.88 / 47.70; 128x128 TMA s4 40.68 / 49.24, 4 warps
-# 42.22 / 50.91, s3 43.09 / 51.74; 128x256 s4 pointers 42.43 / 51.11. 256x128 is the only one
-# ahead on both (its 128-column tiles double the splits the combine reduces).
-STORE_TABLE: dict[int, str] = {2: "m256n128k64w8s3tma", 4: "m128n128k32w8s3"}
+# The store strategy's forward (store.lce_store_fwd_kernel: persistent, one split per vocabulary
+# tile, the exp-logit tile normalised by that tile's own max). H200 (bf16, 2026-12-03, the forward
+# alone on a 4096-row chunk, medians of 5 interleaved rounds, bench --store-forward), llama3-8b /
+# gemma2-2b ms: persistent 128x256 s3 TMA 6.76 / 8.19, s4 6.79 / 8.38; persistent 256x128 s3 7.09 /
+# 8.65, s4 7.14 / 8.83; one program per tile (the kernel before): 256x128 s3 7.24 / 8.76 (the
+# default then), 128x256 s3 7.03 / 8.70. Persistent without flattening the loops (256x128): 40.87
+# against 40.38 ms flattened for the whole store op at llama3-8b.
+STORE_TABLE: dict[int, str] = {2: "m128n256k64w8s3tma", 4: "m128n128k32w8s3"}
 
 
 def store_config(dtype: torch.dtype) -> KernelConfig:

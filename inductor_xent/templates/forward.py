@@ -7,7 +7,7 @@ tile into per-row running values, all in registers:
     m    running max of z                   s  = sum exp(z - m)   (online logsumexp)
     zt   the target's logit (0 if the target is not in this range)
     sz   sum of z (only with label smoothing)
-    st   sech² of the target's capped argument (only for the store strategy with a softcap)
+    st   sech² of the target's capped argument (store.lce_store_fwd_kernel with a softcap)
     a    sum exp(z - m)·(z - m)   (only for the entropy: log-probabilities op)
     i    the first column where z == m  (only for the argmax; int32, its own [S, N] buffer)
 
@@ -29,12 +29,10 @@ The loss is taken relative to M, not as lse − zt: with every logit at 2^24 the
 swallows the log term (loss 2.0 instead of log 8). ``lse_lo`` is lse's rounding residual; the
 backward rebuilds the softmax from ``(z − lse) − lse_lo`` for the same reason.
 
-Store mode (``STORE_E``, one vocabulary tile per program): the kernel also writes the tile
-``E = exp(z − m_tile)`` (times sech² under a softcap), relative to the tile's own row maximum,
-into an [N, V] buffer of the store strategy's row chunk; the softmax is ``E·exp(m_tile − lse)``.
+The store strategy's forward (``store.lce_store_fwd_kernel``, one split per vocabulary tile)
+writes the same partials, and the combine below reduces them.
 
-FLOPs: 2·N·D·V in the matmul, ~10 per logit in the epilogue. Memory written: 4·P·S·N + 12·N bytes
-(plus the E tiles in store mode).
+FLOPs: 2·N·D·V in the matmul, ~10 per logit in the epilogue. Memory written: 4·P·S·N + 12·N bytes.
 """
 
 from __future__ import annotations
@@ -51,23 +49,22 @@ from .common import LOG2E, M_INIT, add_combine, apply_epilogue, cdiv, grouped_pi
 @triton.jit
 def lce_fwd_kernel(
     # pointers
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, arg_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, arg_ptr,
     # sizes
     N, V, D, tiles_per_split, num_splits,
     # strides
-    stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_e_n,
+    stride_h_n, stride_h_d, stride_w_v, stride_w_d,
     # loss options
     logit_scale, softcap,
     # meta-parameters
-    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr, STORE_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr,
     NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
 ):
-    """One (row block, vocabulary split): partials m, s, zt[, sz][, st][, a] into
-    part[P, num_splits, N], and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32);
-    with STORE_E (one tile per split) also the tile of E into e[N, V]. With USE_TMA, hidden_ptr and
+    """One (row block, vocabulary split): partials m, s, zt[, sz][, a] into part[P, num_splits, N],
+    and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32). With USE_TMA, hidden_ptr and
     weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks (row-major,
     16-byte aligned operands; the launcher decides)."""
     pid_m, pid_s = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), num_splits, GROUP_M)
@@ -82,7 +79,6 @@ def lce_fwd_kernel(
     s_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     zt_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     sz_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
-    st_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     a_i = tl.full((BLOCK_M,), 0.0, dtype=tl.float32)
     arg_i = tl.full((BLOCK_M,), 0, dtype=tl.int32)
 
@@ -95,7 +91,7 @@ def lce_fwd_kernel(
         acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v0, offs_v, D,
                           stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
-        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z, _ = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
         # ---- target logit, sum of logits, online logsumexp ---------------------------------
         # The reductions that need the unmasked z come first, so that z is dead once it is masked:
@@ -105,8 +101,6 @@ def lce_fwd_kernel(
         zt_i += tl.reduce(tl.where(hit, z, 0.0), 1, add_combine)
         if NEED_SUM_Z:
             sz_i += tl.reduce(tl.where(col_mask[None, :], z, 0.0), 1, add_combine)
-        if STORE_E and HAS_SOFTCAP:
-            st_i += tl.reduce(tl.where(hit, sech2, 0.0), 1, add_combine)
         z = tl.where(col_mask[None, :], z, float("-inf"))
         tile_max = tl.reduce(z, 1, max_combine)
         m_new = tl.maximum(m_i, tile_max)
@@ -120,11 +114,6 @@ def lce_fwd_kernel(
             a_i = rescale * (a_i + (m_i - m_new) * s_i) + tl.reduce(ez, 1, add_combine)
         s_i = s_i * rescale + tl.reduce(e, 1, add_combine)
         m_i = m_new
-        if STORE_E:  # one tile per program: m_new is this tile's own row max
-            if HAS_SOFTCAP:
-                e = e * sech2
-            out = e_ptr + rows[:, None] * stride_e_n + offs_v[None, :]
-            tl.store(out, e.to(e_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
     # ---- partials ------------------------------------------------------------------------------
     # planes of num_splits * N floats; pointer increments keep the offsets 64-bit
@@ -138,9 +127,6 @@ def lce_fwd_kernel(
     if NEED_SUM_Z:
         out += plane
         tl.store(out, sz_i, mask=row_mask)
-    if STORE_E and HAS_SOFTCAP:
-        out += plane
-        tl.store(out, st_i, mask=row_mask)
     if NEED_ENTROPY:
         out += plane
         tl.store(out, a_i, mask=row_mask)

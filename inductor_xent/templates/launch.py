@@ -23,7 +23,7 @@ from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
-from .store import lce_store_dz_kernel, scale_kernel
+from .store import lce_store_dz_kernel, lce_store_fwd_kernel, scale_kernel
 
 COMBINE_BLOCK = 16  # rows per combine program
 COMBINE_GROUP = 64  # splits per step of the combine (H200, 4096 rows, 1002 splits: 0.044 ms; 32 x 32 0.069,
@@ -176,18 +176,32 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     logit_scale, softcap = _options(opts)
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
-    lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
-        h_op, w_op, bias, target, part, e, arg_part,
-        n, v, d, tiles_per_split, splits,
-        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), 0 if e is None else e.stride(0),
-        logit_scale, softcap,
-        HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
-        STORE_E=e is not None, NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
-        NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    if e is not None:
+        programs = min(_num_sms(dev), triton.cdiv(n, cfg.block_m) * splits)
+        lce_store_fwd_kernel[(programs,)](
+            h_op, w_op, bias, target, part, e,
+            n, v, d, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), e.stride(0),
+            logit_scale, softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
+            NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
+            NUM_PROGRAMS=programs, FLATTEN=use_tma,  # pointer loads in a flattened loop: 2x slower (NOTES.md)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    else:
+        lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
+            h_op, w_op, bias, target, part, arg_part,
+            n, v, d, tiles_per_split, splits,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            logit_scale, softcap,
+            HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
+            NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
+            NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
         part, arg_part, target, loss, lse, lse_lo, st, entropy, argmax,

@@ -1,8 +1,8 @@
-"""The ``store`` strategy's dlogits kernel: the softmax gradient from the stored exp-logits.
+"""The ``store`` strategy's kernels: its forward, and the softmax gradient from the stored exp-logits.
 
 Per row chunk the store strategy runs (launch.store):
 
-1. ``lce_fwd_kernel`` in store mode, one vocabulary tile per program: the per-(row, tile) partials
+1. ``lce_store_fwd_kernel`` (this file; persistent, one split per vocabulary tile): the per-(row, tile) partials
    (tile max ``m_t``, sum-exp, target logit, Σz, the target's sech²) and the tile
    ``E = exp(z − m_t)`` (times sech² of the capped argument under a softcap), fp16 for bf16/fp16
    inputs (E ∈ (0, 1]: fp16 keeps 11 bits where bf16 keeps 8), fp32 for fp32 inputs;
@@ -18,8 +18,8 @@ Per row chunk the store strategy runs (launch.store):
    grad_weight += dzᵀ·h (fp32 accumulate inside the GEMM).
 
 2·N·D·V FLOPs per GEMM, three GEMMs: 6·N·D·V in all. The E tile is written from registers that
-the forward computes anyway (it is the online logsumexp's exp), so the forward costs what the
-recompute strategy's forward costs plus one [N, V] store in 16 bits.
+the forward computes anyway (the tile's exp), so the forward costs a GEMM, the softmax epilogue and
+one [N, V] store in 16 bits.
 
 A softcap with label smoothing is not offered (strategy.py): the ε/V term needs sech² of every
 column, and E underflows (to 0) for columns far below the tile max, which loses their z.
@@ -30,7 +30,85 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, add_combine, cdiv, grouped_pid
+from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, max_combine, tile_logits
+
+
+@triton.jit
+def lce_store_fwd_kernel(
+    # pointers (with USE_TMA, hidden_ptr and weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K]
+    # and [BLOCK_N, BLOCK_K] blocks)
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr,
+    # sizes
+    N, V, D,
+    # strides
+    stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_e_n,
+    # loss options
+    logit_scale, softcap,
+    # meta-parameters
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_SUM_Z: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+):
+    """The store strategy's forward, a persistent kernel: NUM_PROGRAMS programs (one per SM) walk
+    the (row block, vocabulary tile) grid in grouped order; each tile's partials m, s, zt[, sz][, st]
+    go to part[P, num_tiles, N] and its E = exp(z − m_tile) (times sech² under a softcap) to e[N, V].
+    With FLATTEN (TMA operands only) the tile loop and the D loop are one software-pipelined loop,
+    so the next tile's operand copies are in flight while this tile's epilogue (exp, reductions, the
+    E store) runs. H200 (bf16, one 4096-row chunk, medians of 5 interleaved rounds): 128x256 tiles
+    6.76 ms at llama3-8b and 8.19 at gemma2-2b against 7.24 / 8.76 for one program per 256x128
+    tile (the kernel this one replaced), 7.03 / 8.70 for one per 128x256 tile (benchmarks/NOTES.md)."""
+    num_pid_m = cdiv(N, BLOCK_M)
+    num_tiles = cdiv(V, BLOCK_N)
+    k_steps = cdiv(D, BLOCK_K)
+    plane = num_tiles * N
+    # the epilogue's own tile counter: with FLATTEN the pipeliner moves the loads of the next tile
+    # ahead of this tile's epilogue, so the epilogue must not read the loop's induction variable
+    tile_c = tl.program_id(0) - NUM_PROGRAMS
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
+        pid_m, pid_s = grouped_pid(tile, num_pid_m, num_tiles, GROUP_M)
+        if USE_TMA:  # the D loop written out: the flattened loop nest pipelines a plain loop
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+            for ki in range(k_steps):
+                a = hidden_ptr.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = weight_ptr.load([pid_s * BLOCK_N, ki * BLOCK_K])
+                if DOT_UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        else:
+            offs_v = pid_s * BLOCK_N + tl.arange(0, BLOCK_N)
+            rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1).to(tl.int64)
+            acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, pid_s * BLOCK_N, offs_v, D,
+                              stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, False)
+
+        tile_c += NUM_PROGRAMS
+        pid_m, pid_s = grouped_pid(tile_c, num_pid_m, num_tiles, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < N
+        rows = tl.minimum(offs_m, N - 1).to(tl.int64)
+        offs_v = pid_s * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = offs_v < V
+        tgt = tl.load(target_ptr + rows)
+        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        hit = (offs_v[None, :] == tgt[:, None]) & col_mask[None, :]
+        out = part_ptr + pid_s.to(tl.int64) * N + offs_m
+        tl.store(out + 2 * plane, tl.reduce(tl.where(hit, z, 0.0), 1, add_combine), mask=row_mask)
+        if NEED_SUM_Z:
+            tl.store(out + 3 * plane, tl.reduce(tl.where(col_mask[None, :], z, 0.0), 1, add_combine), mask=row_mask)
+        if HAS_SOFTCAP:
+            tl.store(out + (3 + NEED_SUM_Z) * plane, tl.reduce(tl.where(hit, sech2, 0.0), 1, add_combine),
+                     mask=row_mask)
+        z = tl.where(col_mask[None, :], z, float("-inf"))
+        m = tl.reduce(z, 1, max_combine)
+        e = tl.exp2((z - m[:, None]) * LOG2E)
+        tl.store(out, m, mask=row_mask)
+        tl.store(out + plane, tl.reduce(e, 1, add_combine), mask=row_mask)
+        if HAS_SOFTCAP:
+            e = e * sech2
+        tl.store(e_ptr + rows[:, None] * stride_e_n + offs_v[None, :], e.to(e_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
