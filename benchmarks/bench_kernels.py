@@ -438,10 +438,12 @@ def store_sweep(shapes, quick, names):
         torch.cuda.empty_cache()
 
 
-def store_forward(shapes, names, rounds):
-    """The store strategy's forward alone (the logits kernel with the E store, and the split
-    combine) on one chunk of half the shape's rows, per config (--configs), the configs interleaved
-    over ``rounds`` rounds in rotated order: the median ms of each and its ratio to the first."""
+def forward_rounds(shapes, names, rounds, store):
+    """A forward alone per config (--configs), the configs interleaved over ``rounds`` rounds in
+    rotated order, with cuBLAS's logits GEMM of the same rows as the first entry: the median ms of
+    each and its ratio to cuBLAS. ``store``: the store strategy's forward (the logits kernel with
+    the E store, and the split combine) on one chunk of half the shape's rows; else the recompute
+    forward (launch.forward) on all rows."""
     import statistics
 
     from triton.testing import do_bench
@@ -453,25 +455,32 @@ def store_forward(shapes, names, rounds):
     for shape_name in shapes:
         shape = SHAPES[shape_name]
         h, w, t = make_data(shape, "gauss")
-        m = shape.n // 2
+        m = shape.n // 2 if store else shape.n
         h_c, t_c = h[:m], t[:m]
         outs = tuple(torch.empty(m, device="cuda") for _ in range(3))
-        e = torch.empty((m, shape.v), dtype=torch.float16, device="cuda")
-        times = {name: [] for name in names}
+        e = torch.empty((m, shape.v), dtype=torch.float16, device="cuda") if store else None
 
-        def run(cfg, h_c=h_c, w=w, t_c=t_c, outs=outs, e=e):
-            launch._forward_pass(h_c, w, None, t_c, o, cfg, -(-w.shape[0] // cfg.block_n), 1, outs, e=e)
+        def run(name, h_c=h_c, w=w, t_c=t_c, outs=outs, e=e):
+            if name == "cublas":
+                return h_c @ w.t()
+            cfg = configs.CONFIGS[name]
+            if e is None:
+                return launch.forward(h_c, w, None, t_c, o, cfg=cfg)
+            cfg = cfg._replace(split_tiles=1)
+            return launch._forward_pass(h_c, w, None, t_c, o, cfg, -(-w.shape[0] // cfg.block_n), 1, outs, e=e)
 
+        entries = ["cublas", *names]
+        times = {name: [] for name in entries}
         for r in range(rounds):
-            for name in names[r % len(names):] + names[: r % len(names)]:
-                cfg = configs.CONFIGS[name]._replace(split_tiles=1)
-                times[name].append(do_bench(lambda cfg=cfg, run=run: run(cfg), warmup=10, rep=60, return_mode="median"))
-        first = statistics.median(times[names[0]])
-        for name in names:
+            for name in entries[r % len(entries):] + entries[: r % len(entries)]:
+                times[name].append(do_bench(lambda name=name, run=run: run(name), warmup=10, rep=60,
+                                            return_mode="median"))
+        first = statistics.median(times["cublas"])
+        for name in entries:
             med = statistics.median(times[name])
-            print(json.dumps({"store_forward": shape_name, "rows": m, "config": name, "ms": med,
-                              "ratio": med / first, "tflops": 2 * m * shape.d * shape.v / med / 1e9,
-                              "rounds": times[name]}), flush=True)
+            print(json.dumps({"forward": "store" if store else "recompute", "shape": shape_name, "rows": m,
+                              "config": name, "ms": med, "ratio_to_cublas": med / first,
+                              "tflops": 2 * m * shape.d * shape.v / med / 1e9, "rounds": times[name]}), flush=True)
         del h, w, t, e, h_c, t_c
         torch.cuda.empty_cache()
 
@@ -727,6 +736,9 @@ def main(argv=None):
                    help="time the store op per forward tile config (--configs) instead")
     p.add_argument("--store-forward", action="store_true",
                    help="time the store forward alone per config (--configs), interleaved over --rounds (default 5)")
+    p.add_argument("--forward", action="store_true",
+                   help="time the recompute forward alone per config (--configs) and cuBLAS's GEMM, interleaved "
+                        "over --rounds (default 5)")
     p.add_argument("--store-options", action="store_true",
                    help="measure the store strategy's weight-gradient accumulation options instead")
     p.add_argument("--rounds", type=int, default=0,
@@ -763,8 +775,12 @@ def main(argv=None):
     if args.store_kernels:
         store_kernels(shapes)
         return 0
-    if args.store_forward:
-        store_forward(shapes, [c for c in args.configs.split(",") if c], args.rounds or 5)
+    if args.store_forward or args.forward:
+        from inductor_xent.templates import configs
+
+        table = configs.STORE_TABLE if args.store_forward else configs.FORWARD_TABLE
+        names = [c for c in args.configs.split(",") if c] or [table[2]]
+        forward_rounds(shapes, names, args.rounds or 5, args.store_forward)
         return 0
     if args.rounds:
         interleaved(shapes, args.methods.split(","), args.rounds, args.quick)

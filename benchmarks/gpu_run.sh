@@ -20,6 +20,7 @@
 #   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)
 #   storesweep  the store op per forward tile config at llama3-8b and gemma2-2b (bench --store-sweep)
 #   storefwd  the store forward alone per config, interleaved over 5 rounds (STORE_CONFIGS overrides the list)
+#   fwdk    the recompute forward alone per config and cuBLAS's GEMM, interleaved over 5 rounds (FWD_CONFIGS)
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -97,6 +98,9 @@ for step in ${STEPS//,/ }; do
         storefwd) timeout 200 $BENCH --store-forward --rounds 5 --shapes llama3-8b,gemma2-2b \
                    --configs ${STORE_CONFIGS:-m128n256k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma} \
                    2>&1 | tee "$OUT/storefwd.log" | grep -E "^\{|rror" | cut -c1-220 ;;
+        fwdk)  timeout 200 $BENCH --forward --rounds 5 --shapes llama3-8b,gemma2-2b \
+                   ${FWD_CONFIGS:+--configs $FWD_CONFIGS} \
+                   2>&1 | tee "$OUT/fwdk.log" | grep -E "^\{|rror" | cut -c1-200 ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
                    python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
         *) echo "unknown step $step" ;;
@@ -105,7 +109,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log pytest_dynamo.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log bench_gemma.log bench.log e2e.log; do
+         rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log fwdk.log bench_gemma.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"
