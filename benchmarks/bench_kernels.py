@@ -485,6 +485,45 @@ def forward_rounds(shapes, names, rounds, store):
         torch.cuda.empty_cache()
 
 
+def backward_rounds(shapes, rounds):
+    """The recompute backward (launch.backward: dlogits kernel and cuBLAS GEMMs per vocabulary
+    chunk) with the dlogits kernel persistent (one program per SM) and with one program per tile,
+    interleaved over ``rounds`` rounds: the median ms of each."""
+    import statistics
+
+    from triton.testing import do_bench
+
+    from inductor_xent.options import LossOptions
+    from inductor_xent.templates import launch
+
+    o = LossOptions()
+    for shape_name in shapes:
+        shape = SHAPES[shape_name]
+        h, w, t = make_data(shape, "gauss")
+        n = shape.n
+        gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
+        _, lse, lo = launch.forward(h, w, None, t, o)
+
+        def run(persistent, h=h, w=w, t=t, gl=gl, gs=gs, lse=lse, lo=lo):
+            launch.DLOGITS_PERSISTENT = persistent
+            try:
+                return launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False))
+            finally:
+                launch.DLOGITS_PERSISTENT = True
+
+        same = all(torch.equal(a, b) for a, b in zip(run(True), run(False)))
+        times = {True: [], False: []}
+        for r in range(rounds):
+            for persistent in ((True, False) if r % 2 == 0 else (False, True)):
+                times[persistent].append(do_bench(lambda p=persistent, run=run: run(p), warmup=3, rep=30,
+                                                  return_mode="median"))
+        for persistent in (False, True):
+            print(json.dumps({"backward": shape_name, "persistent": persistent, "bitwise_same": same,
+                              "ms": statistics.median(times[persistent]), "rounds": times[persistent]}), flush=True)
+        del h, w, t, lse, lo, run
+        torch.cuda.empty_cache()
+
+
 def sweep(shapes, quick, out, names=None):
     """Time each candidate config of the forward and of the backward (launch.* with cfg=)."""
     from inductor_xent.templates import configs
@@ -739,6 +778,9 @@ def main(argv=None):
     p.add_argument("--forward", action="store_true",
                    help="time the recompute forward alone per config (--configs) and cuBLAS's GEMM, interleaved "
                         "over --rounds (default 5)")
+    p.add_argument("--backward", action="store_true",
+                   help="time the recompute backward with the persistent and the one-program-per-tile dlogits "
+                        "kernel, interleaved over --rounds (default 5)")
     p.add_argument("--store-options", action="store_true",
                    help="measure the store strategy's weight-gradient accumulation options instead")
     p.add_argument("--rounds", type=int, default=0,
@@ -774,6 +816,9 @@ def main(argv=None):
         return 0
     if args.store_kernels:
         store_kernels(shapes)
+        return 0
+    if args.backward:
+        backward_rounds(shapes, args.rounds or 5)
         return 0
     if args.store_forward or args.forward:
         from inductor_xent.templates import configs

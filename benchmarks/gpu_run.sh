@@ -21,6 +21,7 @@
 #   storesweep  the store op per forward tile config at llama3-8b and gemma2-2b (bench --store-sweep)
 #   storefwd  the store forward alone per config, interleaved over 5 rounds (STORE_CONFIGS overrides the list)
 #   fwdk    the recompute forward alone per config and cuBLAS's GEMM, interleaved over 5 rounds (FWD_CONFIGS)
+#   bwdk    the recompute backward, persistent dlogits kernel against one program per tile (4 rounds)
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
 # Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
@@ -101,6 +102,8 @@ for step in ${STEPS//,/ }; do
         fwdk)  timeout 200 $BENCH --forward --rounds 5 --shapes llama3-8b,gemma2-2b \
                    ${FWD_CONFIGS:+--configs $FWD_CONFIGS} \
                    2>&1 | tee "$OUT/fwdk.log" | grep -E "^\{|rror" | cut -c1-200 ;;
+        bwdk)  timeout 200 $BENCH --backward --rounds 4 --shapes llama3-8b,gemma2-2b \
+                   2>&1 | tee "$OUT/bwdk.log" | grep -E "^\{|rror" | cut -c1-200 ;;
         zoo)   INDUCTOR_XENT_TEST_DEVICE=cuda INDUCTOR_XENT_TEST_DTYPE=bfloat16 timeout 200 \
                    python3 -m pytest tests/test_models.py -q -p no:cacheprovider 2>&1 | tee "$OUT/zoo_cuda.log" | tail -5 ;;
         *) echo "unknown step $step" ;;
@@ -109,7 +112,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log pytest_dynamo.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log fwdk.log bench_gemma.log bench.log e2e.log; do
+         rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log fwdk.log bwdk.log bench_gemma.log bench.log e2e.log; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"

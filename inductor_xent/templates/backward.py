@@ -61,57 +61,79 @@ def lce_dlogits_kernel(
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile of dz for the chunk; the column sums into dbias[pid_m].
-    With USE_TMA, hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
-    pid_m, pid_n = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), cdiv(chunk, BLOCK_N), GROUP_M)
+    """The [BLOCK_M, BLOCK_N] tiles of dz for the chunk, NUM_PROGRAMS programs walking them in
+    grouped order (persistent: one program per SM; with TMA operands the tile loop and the D loop
+    are flattened into one pipelined loop, so the next tile's copies overlap this tile's epilogue,
+    as in store.lce_store_fwd_kernel); each tile's column sums into dbias[pid_m]. With USE_TMA,
+    hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
+    num_pid_m = cdiv(N, BLOCK_M)
+    num_pid_n = cdiv(chunk, BLOCK_N)
+    k_steps = cdiv(D, BLOCK_K)
+    tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's tile counter (store.lce_store_fwd_kernel)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=USE_TMA):
+        # ---- recompute the logits tile -----------------------------------------------------
+        pid_m, pid_n = grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
+        if USE_TMA:
+            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+            for ki in range(k_steps):
+                a = hidden_ptr.load([pid_m * BLOCK_M, ki * BLOCK_K])
+                b = weight_ptr.load([v_start + pid_n * BLOCK_N, ki * BLOCK_K])
+                if DOT_UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        else:
+            rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1).to(tl.int64)
+            offs_v = v_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v_start + pid_n * BLOCK_N, offs_v, D,
+                              stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
+                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, False)
 
-    # ---- recompute the logits tile ---------------------------------------------------------
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = offs_m < N
-    rows = tl.minimum(offs_m, N - 1).to(tl.int64)
-    offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the chunk
-    offs_v = v_start + offs_c
-    col_mask = (offs_c < chunk) & (offs_v < V)
-    acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v_start + pid_n * BLOCK_N, offs_v, D,
-                      stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
-                      BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
-    z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        tile_c += NUM_PROGRAMS
+        pid_m, pid_n = grouped_pid(tile_c, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = offs_m < N
+        rows = tl.minimum(offs_m, N - 1).to(tl.int64)
+        offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the chunk
+        offs_v = v_start + offs_c
+        col_mask = (offs_c < chunk) & (offs_v < V)
+        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
 
-    # ---- dz = g·q + c·p with q = p − coef and c = 2·z_loss·lse·g + h ------------------------------
-    # written (g + c)·q + c·coef: one tile live, and c is never rounded against g (the folded
-    # g·(1 + 2·z_loss·lse) loses the z-loss term where p ≈ onehot, e.g. V = 1).
-    # p = exp((z − lse) − lse_lo): z − lse is exact near the row max, lse_lo restores the rounding
-    # of lse (all logits 2^24: without it every p is off by e^0.08).
-    tgt = tl.load(target_ptr + rows)
-    lse = tl.load(lse_ptr + rows)
-    lse_lo = tl.load(lse_lo_ptr + rows)
-    g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
-    c = 2.0 * z_loss * lse * g + tl.load(grad_lse_ptr + rows).to(tl.float32)
-    log_p = (z - lse[:, None]) - lse_lo[:, None]
-    p = tl.exp2(log_p * LOG2E)
-    # coef = (1 − ε)·onehot + ε/V on valid rows, 0 on ignored ones; hit_coef = (1 − ε) + ε/V is one
-    # constant rounded once (1 at V = 1: p − coef is then exactly 0, not p − 0.9 − 0.1)
-    valid = tgt != ignore_index
-    coef = tl.where((offs_v[None, :] == tgt[:, None]) & valid[:, None], hit_coef, rest_coef)
-    coef = tl.where(valid[:, None], coef, 0.0)
-    dz = (g + c)[:, None] * (p - coef) + c[:, None] * coef
-    if HAS_ENTROPY:  # the entropy's gradient −a·p·(log p + H); a is 0 on ignored rows
-        a = tl.where(valid, tl.load(grad_ent_ptr + rows).to(tl.float32), 0.0)
-        ent = tl.load(ent_ptr + rows)
-        dz -= (a[:, None] * p) * (log_p + ent[:, None])
-    if HAS_SOFTCAP:
-        dz *= sech2
-    dz *= logit_scale
-    live = row_mask[:, None] & col_mask[None, :]
-    dz = tl.where(live, dz, 0.0)
+        # ---- dz = g·q + c·p with q = p − coef and c = 2·z_loss·lse·g + h ----------------------
+        # written (g + c)·q + c·coef: one tile live, and c is never rounded against g (the folded
+        # g·(1 + 2·z_loss·lse) loses the z-loss term where p ≈ onehot, e.g. V = 1).
+        # p = exp((z − lse) − lse_lo): z − lse is exact near the row max, lse_lo restores the
+        # rounding of lse (all logits 2^24: without it every p is off by e^0.08).
+        tgt = tl.load(target_ptr + rows)
+        lse = tl.load(lse_ptr + rows)
+        lse_lo = tl.load(lse_lo_ptr + rows)
+        g = tl.where(tgt != ignore_index, tl.load(grad_loss_ptr + rows).to(tl.float32), 0.0)
+        c = 2.0 * z_loss * lse * g + tl.load(grad_lse_ptr + rows).to(tl.float32)
+        log_p = (z - lse[:, None]) - lse_lo[:, None]
+        p = tl.exp2(log_p * LOG2E)
+        # coef = (1 − ε)·onehot + ε/V on valid rows, 0 on ignored ones; hit_coef = (1 − ε) + ε/V is
+        # one constant rounded once (1 at V = 1: p − coef is then exactly 0, not p − 0.9 − 0.1)
+        valid = tgt != ignore_index
+        coef = tl.where((offs_v[None, :] == tgt[:, None]) & valid[:, None], hit_coef, rest_coef)
+        coef = tl.where(valid[:, None], coef, 0.0)
+        dz = (g + c)[:, None] * (p - coef) + c[:, None] * coef
+        if HAS_ENTROPY:  # the entropy's gradient −a·p·(log p + H); a is 0 on ignored rows
+            a_ent = tl.where(valid, tl.load(grad_ent_ptr + rows).to(tl.float32), 0.0)
+            ent = tl.load(ent_ptr + rows)
+            dz -= (a_ent[:, None] * p) * (log_p + ent[:, None])
+        if HAS_SOFTCAP:
+            dz *= sech2
+        dz *= logit_scale
+        live = row_mask[:, None] & col_mask[None, :]
+        dz = tl.where(live, dz, 0.0)
 
-    out = dz_ptr + rows[:, None] * stride_dz_n + offs_c[None, :]
-    tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=live)
-    if NEED_DBIAS:
-        tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_c, tl.reduce(dz, 0, add_combine),
-                 mask=offs_c < chunk)
+        out = dz_ptr + rows[:, None] * stride_dz_n + offs_c[None, :]
+        tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=live)
+        if NEED_DBIAS:
+            tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_c, tl.reduce(dz, 0, add_combine),
+                     mask=offs_c < chunk)
 
 
 @triton.jit

@@ -29,6 +29,7 @@ COMBINE_BLOCK = 16  # rows per combine program
 COMBINE_GROUP = 64  # splits per step of the combine (H200, 4096 rows, 1002 splits: 0.044 ms; 32 x 32 0.069,
 # one split per step 0.26)
 E_ROW_ALIGN = 64  # elements: 128 bytes in 16 bits
+DLOGITS_PERSISTENT = True  # the dlogits kernel: one program per SM walking the tiles (False: one per tile)
 
 
 def unsupported_reason(hidden: Tensor) -> Optional[str]:
@@ -286,7 +287,9 @@ def backward(
     for v0 in range(0, v, chunk):
         cols = min(chunk, v - v0)
         dz = dz_buf[:, :cols]
-        lce_dlogits_kernel[(num_m * triton.cdiv(cols, cfg.block_n),)](
+        tiles = num_m * triton.cdiv(cols, cfg.block_n)
+        programs = min(tiles, _num_sms(hidden.device)) if DLOGITS_PERSISTENT else tiles
+        lce_dlogits_kernel[(programs,)](
             h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias,
             n, v, d, v0, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
@@ -296,7 +299,7 @@ def backward(
             HAS_ENTROPY=has_entropy,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
-            DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
+            DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, NUM_PROGRAMS=programs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         dz = dz.to(hidden.dtype)
