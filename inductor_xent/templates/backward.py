@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import config as _config
-from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, tile_logits
+from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits
 from .configs import KernelConfig
 
 
@@ -70,26 +70,13 @@ def lce_dlogits_kernel(
     hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
     num_pid_m = cdiv(N, BLOCK_M)
     num_pid_n = cdiv(chunk, BLOCK_N)
-    k_steps = cdiv(D, BLOCK_K)
     tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's tile counter (store.lce_store_fwd_kernel)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=USE_TMA):
         # ---- recompute the logits tile -----------------------------------------------------
         pid_m, pid_n = grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
-        if USE_TMA:
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-            for ki in range(k_steps):
-                a = hidden_ptr.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = weight_ptr.load([v_start + pid_n * BLOCK_N, ki * BLOCK_K])
-                if DOT_UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-        else:
-            rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1).to(tl.int64)
-            offs_v = v_start + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v_start + pid_n * BLOCK_N, offs_v, D,
-                              stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, False)
+        acc = loop_tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, v_start + pid_n * BLOCK_N, N, V, D,
+                               stride_h_n, stride_h_d, stride_w_v, stride_w_d, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
 
         tile_c += NUM_PROGRAMS
         pid_m, pid_n = grouped_pid(tile_c, num_pid_m, num_pid_n, GROUP_M)

@@ -115,13 +115,19 @@ def logits_tile_tma(h_desc, w_desc, off_m, off_v, D,
     tail out of bounds read as zeros, and no address arithmetic is held in registers."""
     acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
     for k in tl.range(0, D, BLOCK_K, num_stages=NUM_STAGES):
-        a = h_desc.load([off_m, k])
-        b = w_desc.load([off_v, k])
-        if DOT_UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        acc = tma_dot_step(h_desc, w_desc, off_m, off_v, k, acc, INPUT_PRECISION, DOT_UPCAST)
     return acc
+
+
+@triton.jit
+def tma_dot_step(h_desc, w_desc, off_m, off_v, k, acc, INPUT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+    """acc + hidden[off_m:, k:] @ weight[off_v:, k:].T for one BLOCK_K step through TMA descriptors."""
+    a = h_desc.load([off_m, k])
+    b = w_desc.load([off_v, k])
+    if DOT_UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
@@ -142,6 +148,27 @@ def tile_logits(
         w_ptrs = weight_ptr + cols[None, :] * stride_w_v + offs_k[:, None] * stride_w_d
         acc = logits_tile(h_ptrs, w_ptrs, D, stride_h_d, stride_w_d, offs_k,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
+    return acc
+
+
+@triton.jit
+def loop_tile_logits(
+    hidden_ptr, weight_ptr, off_m, off_v, N, V, D, stride_h_n, stride_h_d, stride_w_v, stride_w_d,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """tile_logits for the tile loop of a persistent kernel: with TMA the D loop is a plain loop
+    (the kernel's tl.range(flatten=True) pipelines the loop nest across tiles), with pointers
+    tile_logits' pipelined D loop over clamped rows and columns."""
+    if USE_TMA:
+        acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
+        for k in range(0, D, BLOCK_K):
+            acc = tma_dot_step(hidden_ptr, weight_ptr, off_m, off_v, k, acc, INPUT_PRECISION, DOT_UPCAST)
+    else:
+        rows = tl.minimum(off_m + tl.arange(0, BLOCK_M), N - 1).to(tl.int64)
+        acc = tile_logits(hidden_ptr, weight_ptr, off_m, rows, off_v, off_v + tl.arange(0, BLOCK_N), D,
+                          stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
+                          BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, False)
     return acc
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, max_combine, tile_logits
+from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits, max_combine
 
 
 @triton.jit
@@ -60,28 +60,15 @@ def lce_store_fwd_kernel(
     tile (the kernel this one replaced), 7.03 / 8.70 for one per 128x256 tile (benchmarks/NOTES.md)."""
     num_pid_m = cdiv(N, BLOCK_M)
     num_tiles = cdiv(V, BLOCK_N)
-    k_steps = cdiv(D, BLOCK_K)
     plane = num_tiles * N
     # the epilogue's own tile counter: with FLATTEN the pipeliner moves the loads of the next tile
     # ahead of this tile's epilogue, so the epilogue must not read the loop's induction variable
     tile_c = tl.program_id(0) - NUM_PROGRAMS
     for tile in tl.range(tl.program_id(0), num_pid_m * num_tiles, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_s = grouped_pid(tile, num_pid_m, num_tiles, GROUP_M)
-        if USE_TMA:  # the D loop written out: the flattened loop nest pipelines a plain loop
-            acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
-            for ki in range(k_steps):
-                a = hidden_ptr.load([pid_m * BLOCK_M, ki * BLOCK_K])
-                b = weight_ptr.load([pid_s * BLOCK_N, ki * BLOCK_K])
-                if DOT_UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-        else:
-            offs_v = pid_s * BLOCK_N + tl.arange(0, BLOCK_N)
-            rows = tl.minimum(pid_m * BLOCK_M + tl.arange(0, BLOCK_M), N - 1).to(tl.int64)
-            acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, pid_s * BLOCK_N, offs_v, D,
-                              stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
-                              BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, False)
+        acc = loop_tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, pid_s * BLOCK_N, N, V, D,
+                               stride_h_n, stride_h_d, stride_w_v, stride_w_d, BLOCK_M, BLOCK_N, BLOCK_K,
+                               EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
 
         tile_c += NUM_PROGRAMS
         pid_m, pid_s = grouped_pid(tile_c, num_pid_m, num_tiles, GROUP_M)
