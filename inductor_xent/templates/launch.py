@@ -161,9 +161,9 @@ def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
 def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
                   entropy=None, argmax=None):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
-    with ``e`` (store mode, one tile per split) also the exp-logit tiles, and ``st`` the target's
-    sech² under a softcap; with ``entropy`` / ``argmax`` those of every row. Returns the partials
-    (their plane 0 holds each split's row max)."""
+    with ``e`` (the store forward, store.lce_store_fwd_kernel: one split per tile) also the
+    exp-logit tiles, and ``st`` the target's sech² under a softcap; with ``entropy`` / ``argmax``
+    those of every row. Returns the partials (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
