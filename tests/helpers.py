@@ -7,6 +7,7 @@ into every batch, including one all-ignored sequence for the masked spellings.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend, normalize_gm
 
-from inductor_xent import ops
+from inductor_xent import config, ops
 from inductor_xent.backend import inductor_xent as xent_backend
 from inductor_xent.options import LossOptions, compute_dtype
 
@@ -37,6 +38,21 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     num = (x - ref).norm().item()
     den = ref.norm().item()
     return num / den if den > 0 else num
+
+
+@contextlib.contextmanager
+def fallback_chunks(nbytes: int):
+    """``config.fallback_chunk_bytes`` for a forward *and* its backward: the chunked CPU path
+    recomputes the logits in the backward, and a different chunking there may round them
+    differently from the forward (a gemv against a gemm): an error of ~1e-6 in fp32 gradients that
+    is the test's doing (each pass reads the setting when it runs; H200 box, a hypothesis case with
+    64-byte forward chunks and an 8 MiB backward: 1.2e-6 against 1.1e-7 with one setting)."""
+    old = config.fallback_chunk_bytes
+    config.fallback_chunk_bytes = nbytes
+    try:
+        yield
+    finally:
+        config.fallback_chunk_bytes = old
 
 
 def assert_within_torch_error(ours, torch_same_dtype, exact, *, k: float = 4.0, floor: float = 1e-6, what=""):

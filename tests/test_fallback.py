@@ -10,7 +10,7 @@ import inductor_xent
 from inductor_xent import config, fallback, ops, reference
 from inductor_xent.options import LossOptions, compute_dtype
 
-from .helpers import assert_within_torch_error, torch_same_dtype_loss
+from .helpers import assert_within_torch_error, fallback_chunks, torch_same_dtype_loss
 
 # sizes: 0 (empty), 1, primes and odd numbers, so that no chunk or row count lines up
 SIZES_N = st.sampled_from([0, 1, 2, 7, 13, 31, 64])
@@ -75,14 +75,14 @@ def _ours_kw(c):
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_matches_oracle(c):
+    with fallback_chunks(c["chunk_bytes"]):  # the backward chunks as the forward did (helpers)
+        _check_against_oracle(c)
+
+
+def _check_against_oracle(c):
     h, w, b, y = make_inputs(c)
     params = [t for t in (h, w, b) if t is not None]
-    old = config.fallback_chunk_bytes
-    config.fallback_chunk_bytes = c["chunk_bytes"]
-    try:
-        ours = inductor_xent.linear_cross_entropy(h, w, y, bias=b, **_ours_kw(c))
-    finally:
-        config.fallback_chunk_bytes = old
+    ours = inductor_xent.linear_cross_entropy(h, w, y, bias=b, **_ours_kw(c))
     exact = reference.linear_cross_entropy(*(t.double() for t in (h, w)), y,
                                            bias=None if b is None else b.double(), **_kw(c))
     same = torch_same_dtype_loss(h, w, y, b, **_kw(c))
