@@ -36,8 +36,13 @@ from shapes import DATA, IGNORE_INDEX, SHAPES, make_data, shape_of  # noqa: E402
 
 # ours: the functional API with strategy auto; ours_recompute / ours_store: each strategy forced;
 # ours_compiled: the product path, torch.compile(..., backend="inductor_xent") of the eager spelling
-METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "cce", "ours", "ours_recompute", "ours_store",
-           "ours_compiled")
+METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "liger_cute", "liger_cute_scaled", "quack", "cce",
+           "ours", "ours_recompute", "ours_store", "ours_compiled")
+# peers that need the CuTe DSL (nvidia-cutlass-dsl 4.8.1, Hopper only; benchmarks/gpu_run.sh says how its wheels
+# reach the GPU box): Liger-Kernel's SM90 kernels (liger_cute: the gradients in the forward, 6·N·D·V, keeps a
+# chunk of logits; liger_cute_scaled: no logits, the backward recomputes them, 8·N·D·V) and QuACK's chunked
+# linear cross-entropy (its scaled-exp pipeline where eligible: SM90, bf16, V % 128 == 0)
+CUTE_PEERS = ("liger_cute", "liger_cute_scaled", "quack")
 OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled")
 MiB = 2**20
 # --scan: time and memory against V (N, D fixed at llama3-8b's) and against N (D, V fixed); gauss data
@@ -102,6 +107,27 @@ def _build(name):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return lambda h, w, t: liger_fused_linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+    if name == "liger_cute":
+        from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import liger_fused_linear_cross_entropy_sm90
+
+        return lambda h, w, t: liger_fused_linear_cross_entropy_sm90(h, w, t, IGNORE_INDEX, "mean")
+    if name == "liger_cute_scaled":
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (
+            LigerFusedScaledCrossEntropySM90Function as scaled_ce,
+        )
+
+        def fn(h, w, t):  # per-token NLL (0 on ignored rows): the mean over the counted rows
+            return scaled_ce.apply(h, w, t, 1.0, IGNORE_INDEX).sum() / (t != IGNORE_INDEX).sum()
+
+        return fn
+    if name == "quack":
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+
+        def fn(h, w, t):  # its default chunk; QuACK 0.6.5 rejects chunk == D (m == n in its dx GEMM's epilogue)
+            chunk = 4096 if h.shape[1] != 4096 else 2048
+            return chunked_linear_cross_entropy(h, w, t, chunk_size=chunk, ignore_index=IGNORE_INDEX)
+
+        return fn
     if name == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
@@ -648,7 +674,7 @@ def plot_pareto(rows, info, path):
         pts = [(max(r["extra_mib"], 1.0), r["fwdbwd_ms"], r["method"]) for r in rows
                if (r["shape"], r["data"]) == g and r.get("extra_mib") is not None and r.get("fwdbwd_ms")]
         for x, y, m in pts:
-            ax.scatter([x], [y], color=plt.cm.tab10(METHODS.index(m) % 10), label=m, zorder=3)
+            ax.scatter([x], [y], color=plt.cm.tab20(METHODS.index(m) % 20), label=m, zorder=3)
             ax.annotate(m, (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
         front, best = [], float("inf")
         for x, y, _ in sorted(pts):
@@ -735,7 +761,7 @@ def plot_scan(rows, info, path):
                              if r["method"] == m and r.get(key) is not None and r[fixed[0]] == fixed[1])
                 if pts:  # one color per method in every panel
                     ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=m,
-                            color=plt.cm.tab10(METHODS.index(m)))
+                            color=plt.cm.tab20(METHODS.index(m) % 20))
             ax.set_xscale("log", base=2)
             ax.set_xlabel(f"{axis.upper()} ({fixed[0].upper()}={fixed[1]}, D={base.d})")
             ax.set_ylabel(label)

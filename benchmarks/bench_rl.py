@@ -18,7 +18,10 @@ the pass fused it (``inductor_xent.explain`` before, the pass counters on the co
 temperature argument: the hidden states are divided by T in bf16, one more rounding; no entropy);
 ``liger`` Liger-Kernel's ``_ChunkedSelectiveLogProbFunction`` (the log-prob head inside its
 GRPO/PPO losses; private; plain PyTorch over 2048-row × 4096-column chunks; no entropy anywhere in
-Liger 0.8.5).
+Liger 0.8.5's Triton path); ``liger_cute`` Liger-Kernel's CuTe-DSL SM90 fused scaled cross-entropy
+(``LigerFusedScaledCrossEntropySM90Function``: per-token NLL at a temperature, optionally the
+entropy; no logits kept, the backward recomputes them; Hopper and bf16 only, its wheels as
+gpu_run.sh brings them).
 
 Variants: ``fwd lp`` / ``fwd lp+ent``: the forward under ``torch.no_grad()`` (old- and
 reference-policy log-probs in an RL step), log-probs alone or with the entropy; ``fwd+bwd lp`` /
@@ -60,10 +63,10 @@ import bench_kernels as bk  # noqa: E402
 from shapes import DATA, IGNORE_INDEX, make_data, shape_of  # noqa: E402
 
 # in the order they run: a step cut short by its timeout still has the main rows
-METHODS = ("cublas", "ours", "compile", "eager", "ours_compiled", "cce", "liger")
+METHODS = ("cublas", "ours", "compile", "eager", "ours_compiled", "cce", "liger", "liger_cute")
 VARIANTS = ("fwd_lp", "fwd_lpe", "fwdbwd_lp", "fwdbwd_lpe")
 LABELS = {"fwd_lp": "fwd lp", "fwd_lpe": "fwd lp+ent", "fwdbwd_lp": "fwd+bwd lp", "fwdbwd_lpe": "fwd+bwd lp+ent"}
-NO_ENTROPY = {"cce": "cut-cross-entropy has no entropy", "liger": "Liger-Kernel 0.8.5 has no entropy"}
+NO_ENTROPY = {"cce": "cut-cross-entropy has no entropy", "liger": "Liger-Kernel 0.8.5's Triton path has no entropy"}
 FWD_VS_CUBLAS = 1.10  # targets: log-probs forward / cuBLAS logits GEMM
 BWD_VS_COMPILE, MEM_VS_COMPILE = 1.0, 0.05  # lp+ent fwd+bwd / torch.compile's: time, extra memory
 T = 0.7  # the sampling temperature of the spelling; --temperature sets it before anything is compiled
@@ -132,6 +135,16 @@ def build(name):
 
         return (lambda h, w, ids: _ChunkedSelectiveLogProbFunction.apply(
             h, w, ids, None, T, _SELECTIVE_LOGPROB_VOCAB_CHUNK_SIZE), None)
+    if name == "liger_cute":
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (
+            LigerFusedScaledCrossEntropySM90Function as scaled_ce,
+        )
+
+        def lpe(h, w, ids):
+            nll, ent = scaled_ce.apply(h, w, ids, T, IGNORE_INDEX, 1, True)
+            return -nll, ent
+
+        return lambda h, w, ids: -scaled_ce.apply(h, w, ids, T, IGNORE_INDEX), lpe
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
 
 

@@ -39,10 +39,30 @@ if ls .whl/*.whl >/dev/null 2>&1; then  # pure-Python wheels
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site
 fi
+# The CuTe-DSL peers (bench_kernels.CUTE_PEERS) need nvidia-cutlass-dsl 4.8.1, whose libs wheel (92 MB) is
+# over one call's 64 MiB carry: its parts travel in .cute/ (git-ignored) over two calls sent back to back
+# while the machine is warm (README, "Benchmarks"); each call keeps its parts in /tmp/cute-wheels. Once
+# every file in .cute/MANIFEST (sha256sum's format) is whole, all are installed in a folder named
+# site-packages: QuACK fingerprints the functions its epilogues use, all but those under a site-packages
+# path, and fails on cutlass's internals otherwise.
+CUTE_WHEELS=/tmp/cute-wheels CUTE_SITE=/tmp/cute/site-packages
+if [ -d .cute ]; then mkdir -p $CUTE_WHEELS && cp .cute/* $CUTE_WHEELS/; fi
+if [ -f $CUTE_WHEELS/MANIFEST ] && [ ! -d $CUTE_SITE/quack ]; then
+    ( cd $CUTE_WHEELS && for w in $(awk '{print $2}' MANIFEST); do
+          if ls "$w".part* >/dev/null 2>&1; then cat "$w".part* > "$w"; fi; done
+      sha256sum -c --quiet MANIFEST ) \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --target $CUTE_SITE \
+               $(awk '{print "'$CUTE_WHEELS'/"$2}' $CUTE_WHEELS/MANIFEST) \
+        && echo "CuTe-DSL peers installed" || echo "CuTe-DSL wheels not all here yet (kept in $CUTE_WHEELS)"
+fi
+if [ -d $CUTE_SITE/nvidia_cutlass_dsl ]; then  # a --target folder's .pth is not read: its path by hand
+    export PYTHONPATH=$CUTE_SITE/nvidia_cutlass_dsl/dsl_packages:$CUTE_SITE${PYTHONPATH:+:$PYTHONPATH}
+fi
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__)"; date -u; } 2>&1 | tee "$OUT/versions.txt"
 BENCH="python3 benchmarks/bench_kernels.py --out $OUT"
+CUTE=liger_cute,liger_cute_scaled,quack
 TESTS=$(sed -n "s/^\(python3 -m pytest .*\)$/\1/p" README.md | head -n 1)  # the README's own command
 left() { echo $(( BUDGET - SECONDS )); }
 cap() { local t=$1; local l; l=$(( $(left) - 15 )); [ "$l" -lt "$t" ] && t=$l; echo "$t"; }
@@ -65,20 +85,20 @@ for step in ${STEPS//,/ }; do
         full)  timeout 540 $BENCH 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         final) # the issue's table in one run: peers, every strategy, llama3-8b on both data sets
                mkdir -p "$OUT/llama" "$OUT/others"
-               timeout 260 $BENCH --quick --shapes llama3-8b --out "$OUT/llama" \
-                   --methods cublas,compile,liger,cce,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
+               timeout 300 $BENCH --quick --shapes llama3-8b --out "$OUT/llama" \
+                   --methods cublas,compile,liger,$CUTE,cce,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/bench_llama.log" | grep -E "^\||error"
-               timeout 200 $BENCH --quick --shapes gemma2-2b,gpt2 --data gauss --out "$OUT/others" \
-                   --methods cublas,compile,liger,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
+               timeout 240 $BENCH --quick --shapes gemma2-2b,gpt2 --data gauss --out "$OUT/others" \
+                   --methods cublas,compile,liger,$CUTE,ours,ours_recompute,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/bench_others.log" | grep -E "^\||error" ;;
         llama) timeout 220 $BENCH --quick --shapes llama3-8b --data gauss \
-                   --methods cublas,compile,ours,ours_recompute,ours_compiled 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
+                   --methods ${LLAMA_METHODS:-cublas,compile,ours,ours_recompute,ours_compiled} 2>&1 | tee "$OUT/bench.log" | grep -E "^\||error" ;;
         gemma) timeout 150 $BENCH --quick --shapes gemma2-2b --data gauss \
                    --methods cublas,compile,ours,ours_recompute 2>&1 | tee "$OUT/bench_gemma.log" | grep -E "^\||error" ;;
         rounds) timeout 400 $BENCH --rounds 5 --quick --shapes llama3-8b,gemma2-2b \
-                   --methods compile,cublas,ours,ours_compiled 2>&1 | tee "$OUT/rounds.log" | grep -E "^\||rror" ;;
+                   --methods ${ROUND_METHODS:-compile,cublas,ours,ours_compiled} 2>&1 | tee "$OUT/rounds.log" | grep -E "^\||rror" ;;
         n16k)  timeout 200 $BENCH --quick --shapes 16384x4096x128256,16384x2304x256000 --data gauss \
-                   --methods compile,ours --out "$OUT/n16k" 2>&1 | tee "$OUT/n16k.log" | grep -E "^\||rror" ;;
+                   --methods ${N16K_METHODS:-compile,ours} --out "$OUT/n16k" 2>&1 | tee "$OUT/n16k.log" | grep -E "^\||rror" ;;
         storepair) timeout 120 $BENCH --store-sweep --quick --shapes llama3-8b,gemma2-2b \
                    --configs m256n128k64w8s3tma,m128n256k64w8s4tma,m256n128k64w8s3tma,m128n256k64w8s4tma 2>&1 \
                    | tee "$OUT/storepair.log" | grep -E "^\{|rror" ;;
