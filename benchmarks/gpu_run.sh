@@ -6,11 +6,15 @@
 #   store   the store strategy's weight-gradient accumulation options (bench kernels --store-options)
 #   quick   bench kernels, gauss, the main methods and Liger, all three shapes
 #   full    bench kernels, gauss and zipf, every method
-#   llama   bench kernels at llama3-8b, gauss: cuBLAS, torch.compile and ours (when a call has little time)
+#   final   the issue's table in one run: every peer (the CuTe-DSL ones when installed) and strategy,
+#           llama3-8b on gauss and zipf, gemma2-2b and gpt2 on gauss
+#   llama   bench kernels at llama3-8b, gauss: cuBLAS, torch.compile and ours (LLAMA_METHODS overrides)
 #   gemma   bench kernels at gemma2-2b, gauss: cuBLAS, torch.compile, ours (auto) and recompute
 #   rounds  fwd+bwd of compile, cuBLAS, ours (auto) and ours through the backend, interleaved over 5
-#           rounds at llama3-8b and gemma2-2b (medians and per-round ratios to compile)
-#   n16k    compile and ours (auto) at N = 16384 rows, llama3-8b's and gemma2-2b's D and V (memory target)
+#           rounds at llama3-8b and gemma2-2b (medians and per-round ratios to compile; ROUND_METHODS
+#           overrides, e.g. compile,cublas,ours,liger_cute,quack)
+#   n16k    compile and ours (auto) at N = 16384 rows, llama3-8b's and gemma2-2b's D and V (memory target;
+#           N16K_METHODS overrides)
 #   storepair  the store op with its tile and the forward's, twice each, alternating (bench --store-sweep)
 #   sweep   kernel config sweep (TMA and tile configs) at the llama3-8b shape
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
@@ -24,7 +28,8 @@
 #   bwdk    the recompute backward, persistent dlogits kernel against one program per tile (4 rounds)
 #   zoo     the transformers zoo in bf16 on CUDA (tests/test_models.py)
 #   benchmarks/gpu_run.sh tests,store,quick
-# Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry).
+# Peers and expecttest come as wheels in .whl/ (git-ignored: name ".whl" in the device tool's carry);
+# the CuTe-DSL peers' wheels in parts in .cute/ over two calls (below).
 # Each step writes its log (and JSON/PNG) under $OUT and has its own timeout; a failing step does
 # not stop the next.
 set -uo pipefail
