@@ -39,7 +39,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import config as _config
-from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits
+from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits, target_slot
 from .configs import KernelConfig
 
 
@@ -62,6 +62,7 @@ def lce_dlogits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_C: tl.constexpr,
 ):
     """The [BLOCK_M, BLOCK_N] tiles of dz for the chunk, NUM_PROGRAMS programs walking them in
     grouped order (persistent: one program per SM; with TMA operands the tile loop and the D loop
@@ -86,7 +87,8 @@ def lce_dlogits_kernel(
         offs_c = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # column within the chunk
         offs_v = v_start + offs_c
         col_mask = (offs_c < chunk) & (offs_v < V)
-        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP,
+                                  HAS_SCALE)
 
         # ---- dz = g·q + c·p with q = p − coef and c = 2·z_loss·lse·g + h ----------------------
         # written (g + c)·q + c·coef: one tile live, and c is never rounded against g (the folded
@@ -101,10 +103,12 @@ def lce_dlogits_kernel(
         log_p = (z - lse[:, None]) - lse_lo[:, None]
         p = tl.exp2(log_p * LOG2E)
         # coef = (1 − ε)·onehot + ε/V on valid rows, 0 on ignored ones; hit_coef = (1 − ε) + ε/V is
-        # one constant rounded once (1 at V = 1: p − coef is then exactly 0, not p − 0.9 − 0.1)
+        # one constant rounded once (1 at V = 1: p − coef is then exactly 0, not p − 0.9 − 0.1). The
+        # one-hot is a 32-bit compare against each row's column in this tile (common.target_slot)
         valid = tgt != ignore_index
-        coef = tl.where((offs_v[None, :] == tgt[:, None]) & valid[:, None], hit_coef, rest_coef)
-        coef = tl.where(valid[:, None], coef, 0.0)
+        coef = tl.where(tl.arange(0, BLOCK_N)[None, :] == target_slot(tgt, v_start + pid_n * BLOCK_N, V, valid,
+                                                                      BLOCK_N)[:, None],
+                        hit_coef, tl.where(valid, rest_coef, 0.0)[:, None])
         dz = (g + c)[:, None] * (p - coef) + c[:, None] * coef
         if HAS_ENTROPY:  # the entropy's gradient −a·p·(log p + H); a is 0 on ignored rows
             a_ent = tl.where(valid, tl.load(grad_ent_ptr + rows).to(tl.float32), 0.0)
@@ -112,12 +116,15 @@ def lce_dlogits_kernel(
             dz -= (a_ent[:, None] * p) * (log_p + ent[:, None])
         if HAS_SOFTCAP:
             dz *= sech2
-        dz *= logit_scale
-        live = row_mask[:, None] & col_mask[None, :]
-        dz = tl.where(live, dz, 0.0)
-
+        if HAS_SCALE:
+            dz *= logit_scale
         out = dz_ptr + rows[:, None] * stride_dz_n + offs_c[None, :]
-        tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=live)
+        if EVEN_M and EVEN_C:  # every row and column of every tile is live
+            tl.store(out, dz.to(dz_ptr.dtype.element_ty))
+        else:
+            live = row_mask[:, None] & col_mask[None, :]
+            dz = tl.where(live, dz, 0.0)
+            tl.store(out, dz.to(dz_ptr.dtype.element_ty), mask=live)
         if NEED_DBIAS:
             tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_c, tl.reduce(dz, 0, add_combine),
                      mask=offs_c < chunk)

@@ -174,16 +174,43 @@ def loop_tile_logits(
 
 @triton.jit
 def apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap,
-                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_SCALE: tl.constexpr):
     """(z, dz/dz_raw without the scale) with z = softcap * tanh((acc + bias) * logit_scale / softcap):
-    the second is sech² of the capped argument, and 1.0 when there is no cap."""
+    the second is sech² of the capped argument, and 1.0 when there is no cap. HAS_SCALE False
+    (logit_scale is 1) skips the product: x · 1 is x (EPILOGUE_NOTE)."""
     z = acc
     if HAS_BIAS:
         b = tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)
         z = z + b[None, :]
-    z = z * logit_scale
+    if HAS_SCALE:
+        z = z * logit_scale
     sech2 = 1.0
     if HAS_SOFTCAP:
         t, sech2 = softcap_tanh(z / softcap)
         z = softcap * t
     return z, sech2
+
+
+# EPILOGUE_NOTE. The kernels' epilogues run on the warps that issue the tile's MMAs (one CTA per SM).
+# sm_90 SASS of the store forward (offline compile, 128x256 tile, 8 warps: 128 logits per thread)
+# had ~20 instructions per logit in its epilogue, four of them the target's one-hot (a 64-bit
+# compare, an AND with the column mask, a select) and two the column mask and the scale; the dlogits
+# kernel's masked stores were scalar. The kernels take each row's target column in the tile once
+# (target_slot: a 32-bit compare per logit, no mask) and compile the masks (EVEN_V, EVEN_M, EVEN_C)
+# and the scale (HAS_SCALE) out where they are no-ops: store forward 2615 -> 2035 instructions per
+# tile and thread, dlogits 3748 -> 2116. The same bits (H200 A/B against the previous kernels, four
+# option sets), and only 0-1.3 % less time (recompute forward 0.987x at gemma2-2b's shape; the rest
+# within the spread): the epilogue was not the bottleneck the count suggested. Skipping the one-hot in
+# tiles where no row has its target (a CTA-wide "any row?" reduction and a branch) made the forwards
+# 2-7 % slower and was dropped: no barrier in the epilogue (benchmarks/NOTES.md, eighth session).
+
+
+@triton.jit
+def target_slot(tgt, off_v, V, valid, BLOCK_N: tl.constexpr):
+    """Each row's target column within the tile [off_v, off_v + BLOCK_N) as int32, or -1 where the
+    target is not in it, is past V or the row is not ``valid``: ``tl.arange(0, BLOCK_N)[None, :] ==
+    slot[:, None]`` is then the tile's one-hot with a 32-bit compare per logit and no column mask
+    (EPILOGUE_NOTE)."""
+    t = tgt - off_v
+    inside = (t >= 0) & (t < BLOCK_N) & (tgt < V) & valid
+    return tl.where(inside, t, -1).to(tl.int32)

@@ -40,7 +40,18 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, M_INIT, add_combine, apply_epilogue, cdiv, grouped_pid, max_combine, min_combine, tile_logits
+from .common import (
+    LOG2E,
+    M_INIT,
+    add_combine,
+    apply_epilogue,
+    cdiv,
+    grouped_pid,
+    max_combine,
+    min_combine,
+    target_slot,
+    tile_logits,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,7 +72,7 @@ def lce_fwd_kernel(
     NEED_ENTROPY: tl.constexpr, NEED_ARGMAX: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
-    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_V: tl.constexpr,
 ):
     """One (row block, vocabulary split): partials m, s, zt[, sz][, a] into part[P, num_splits, N],
     and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32). With USE_TMA, hidden_ptr and
@@ -91,17 +102,19 @@ def lce_fwd_kernel(
         acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v0, offs_v, D,
                           stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
-        z, _ = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
+        z, _ = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP,
+                              HAS_SCALE)
 
         # ---- target logit, sum of logits, online logsumexp ---------------------------------
         # The reductions that need the unmasked z come first, so that z is dead once it is masked:
         # one [BLOCK_M, BLOCK_N] fp32 tile live instead of two (ptxas, sm_90, 128x256 tile, 8
         # warps: 104 bytes of stack -> 0; on the H200 70 spilled registers -> see NOTES.md).
-        hit = (offs_v[None, :] == tgt[:, None]) & col_mask[None, :]
+        hit = tl.arange(0, BLOCK_N)[None, :] == target_slot(tgt, v0, V, tgt == tgt, BLOCK_N)[:, None]
         zt_i += tl.reduce(tl.where(hit, z, 0.0), 1, add_combine)
         if NEED_SUM_Z:
             sz_i += tl.reduce(tl.where(col_mask[None, :], z, 0.0), 1, add_combine)
-        z = tl.where(col_mask[None, :], z, float("-inf"))
+        if not EVEN_V:
+            z = tl.where(col_mask[None, :], z, float("-inf"))
         tile_max = tl.reduce(z, 1, max_combine)
         m_new = tl.maximum(m_i, tile_max)
         if NEED_ARGMAX:  # the tile's first column at its max; an earlier tile keeps a tie

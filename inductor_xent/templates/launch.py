@@ -188,6 +188,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
             NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
             NUM_PROGRAMS=programs, FLATTEN=use_tma,  # pointer loads in a flattened loop: 2x slower (NOTES.md)
+            HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_V=v % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
@@ -201,6 +202,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
             NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
+            HAS_SCALE=logit_scale != 1.0, EVEN_V=v % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     loss, lse, lse_lo = outs
@@ -300,6 +302,7 @@ def backward(
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
             DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, NUM_PROGRAMS=programs,
+            HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_C=cols % cfg.block_n == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         dz = dz.to(hidden.dtype)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits, max_combine
+from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits, max_combine, target_slot
 
 
 @triton.jit
@@ -49,6 +49,7 @@ def lce_store_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_V: tl.constexpr,
 ):
     """The store strategy's forward, a persistent kernel: NUM_PROGRAMS programs (one per SM) walk
     the (row block, vocabulary tile) grid in grouped order; each tile's partials m, s, zt[, sz][, st]
@@ -75,11 +76,13 @@ def lce_store_fwd_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = offs_m < N
         rows = tl.minimum(offs_m, N - 1).to(tl.int64)
-        offs_v = pid_s * BLOCK_N + tl.arange(0, BLOCK_N)
+        off_v = pid_s * BLOCK_N
+        offs_v = off_v + tl.arange(0, BLOCK_N)
         col_mask = offs_v < V
         tgt = tl.load(target_ptr + rows)
-        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP)
-        hit = (offs_v[None, :] == tgt[:, None]) & col_mask[None, :]
+        z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP,
+                                  HAS_SCALE)
+        hit = tl.arange(0, BLOCK_N)[None, :] == target_slot(tgt, off_v, V, tgt == tgt, BLOCK_N)[:, None]
         out = part_ptr + pid_s.to(tl.int64) * N + offs_m
         tl.store(out + 2 * plane, tl.reduce(tl.where(hit, z, 0.0), 1, add_combine), mask=row_mask)
         if NEED_SUM_Z:
@@ -87,15 +90,19 @@ def lce_store_fwd_kernel(
         if HAS_SOFTCAP:
             tl.store(out + (3 + NEED_SUM_Z) * plane, tl.reduce(tl.where(hit, sech2, 0.0), 1, add_combine),
                      mask=row_mask)
-        z = tl.where(col_mask[None, :], z, float("-inf"))
+        if not EVEN_V:
+            z = tl.where(col_mask[None, :], z, float("-inf"))
         m = tl.reduce(z, 1, max_combine)
         e = tl.exp2((z - m[:, None]) * LOG2E)
         tl.store(out, m, mask=row_mask)
         tl.store(out + plane, tl.reduce(e, 1, add_combine), mask=row_mask)
         if HAS_SOFTCAP:
             e = e * sech2
-        tl.store(e_ptr + rows[:, None] * stride_e_n + offs_v[None, :], e.to(e_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & col_mask[None, :])
+        e_out = e_ptr + rows[:, None] * stride_e_n + offs_v[None, :]
+        if EVEN_M and EVEN_V:
+            tl.store(e_out, e.to(e_ptr.dtype.element_ty))
+        else:
+            tl.store(e_out, e.to(e_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
 @triton.jit
