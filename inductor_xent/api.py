@@ -44,8 +44,9 @@ def linear_cross_entropy(
         # plus z_loss * logsumexp(z)**2 on every non-ignored row, reduced the same way
 
     except that the logits are accumulated and kept in float32 instead of being rounded to the
-    input dtype first. ``mean`` divides by the number of non-ignored targets (NaN when there are
-    none, like PyTorch); ``none`` returns ``target``'s shape. The result is float32 for bfloat16,
+    input dtype first. Inside ``torch.autocast`` the operands are cast to autocast's dtype first,
+    as autocast casts them for ``F.linear``. ``mean`` divides by the number of non-ignored targets
+    (NaN when there are none, like PyTorch); ``none`` returns ``target``'s shape. The result is float32 for bfloat16,
     float16 and float32 inputs, float64 for float64 inputs.
 
     ``strategy`` (default ``INDUCTOR_XENT_STRATEGY``, else ``"auto"``) chooses how the gradients
@@ -61,6 +62,7 @@ def linear_cross_entropy(
     meaningless loss (its target logit is read as 0) and gradients as if it had no target.
     """
     _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1)
     options = (int(ignore_index), float(label_smoothing), float(logit_scale),
@@ -129,8 +131,9 @@ def linear_log_probs(
         argmax = z.argmax(-1)                          # token accuracy: (argmax == target) & valid
 
     except that the logits are accumulated and kept in float32 instead of being rounded to the
-    input dtype first. The temperature divides the logits after the softcap, as RL code divides a
-    model's (already capped) logits. Ignored rows give 0 log-probability and 0 entropy and pass no
+    input dtype first. Inside ``torch.autocast`` the operands are cast to autocast's dtype first,
+    as autocast casts them for ``F.linear``. The temperature divides the logits after the softcap,
+    as RL code divides a model's (already capped) logits. Ignored rows give 0 log-probability and 0 entropy and pass no
     gradient; ``argmax`` does not depend on the target and is given for every row (the first
     maximal column on ties, as ``torch.argmax``). ``log_probs`` and ``entropy`` are
     differentiable with any incoming gradient (per-token advantages, masks); ``argmax`` is not.
@@ -142,6 +145,7 @@ def linear_log_probs(
     target logit read as 0), its entropy and argmax are right, and its gradient is that of ``−lse``.
     """
     _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)
+    hidden, weight, bias = _autocast(hidden, weight, bias)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
@@ -154,6 +158,17 @@ def linear_log_probs(
                                                     target.reshape(-1), int(ignore_index), scale, cap, entropy, argmax)
     shape = target.shape
     return LogProbs(log_probs.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
+
+
+def _autocast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
+    """The operands as ``F.linear`` gets them inside ``torch.autocast`` for their device: in
+    autocast's dtype, except float64 (which autocast never casts). The loss stays in fp32, as
+    autocast computes ``cross_entropy``."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:
+        return hidden, weight, bias
+    dtype = torch.get_autocast_dtype(device)
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss):

@@ -98,6 +98,23 @@ def _kernels(hidden: Tensor):
     return launch
 
 
+def _without_autocast(impl):
+    """``impl`` run with autocast off for its inputs' device. Inductor calls the op's implementation
+    while the caller's ``torch.autocast`` is still active (it is ambient around the compiled call),
+    and the chunked path's fp32 matmuls would otherwise run in bfloat16. The op's inputs already
+    carry the dtypes autocast chose (the pass casts them)."""
+
+    @functools.wraps(impl)
+    def run(*args, **kwargs):
+        device = next(a.device.type for a in args if isinstance(a, Tensor))
+        if not torch.is_autocast_enabled(device):
+            return impl(*args, **kwargs)
+        with torch.autocast(device, enabled=False):
+            return impl(*args, **kwargs)
+
+    return run
+
+
 def _opts(ignore_index: int, label_smoothing: float, logit_scale: float, softcap: Optional[float], z_loss: float):
     return LossOptions(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
 
@@ -106,6 +123,7 @@ def _opts(ignore_index: int, label_smoothing: float, logit_scale: float, softcap
 # recompute: forward
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("inductor_xent::linear_ce_fwd", mutates_args=())
+@_without_autocast
 def linear_ce_fwd(
     hidden: Tensor,
     weight: Tensor,
@@ -136,6 +154,7 @@ def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, 
 # recompute: backward
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("inductor_xent::linear_ce_bwd", mutates_args=())
+@_without_autocast
 def linear_ce_bwd(
     grad_loss: Tensor,
     grad_lse: Tensor,
@@ -212,6 +231,7 @@ linear_ce_fwd.register_autograd(_backward, setup_context=_setup_context)
 # store: loss and gradients in one pass
 # ---------------------------------------------------------------------------------------------
 @torch.library.custom_op("inductor_xent::linear_ce_store", mutates_args=())
+@_without_autocast
 def linear_ce_store(
     hidden: Tensor,
     weight: Tensor,
@@ -310,6 +330,7 @@ def _scaled(g: Tensor, grad_loss: Tensor, consumed: bool) -> Tensor:
 
 
 @torch.library.custom_op("inductor_xent::store_scale", mutates_args=())
+@_without_autocast
 def store_scale(g: Tensor, s: Tensor) -> Tensor:
     """``g * s`` for a saved gradient ``g`` and the 0-dim upstream gradient ``s``, out of place:
     store's backward as AOTAutograd traces it."""
@@ -322,6 +343,7 @@ def _(g, s):
 
 
 @torch.library.custom_op("inductor_xent::store_scale_", mutates_args=("g",))
+@_without_autocast
 def store_scale_(g: Tensor, s: Tensor) -> None:
     """``g *= s`` (the same bits as ``store_scale``); on the GPU nothing is read or written when
     ``s`` is 1. Only inductor_pass.DonatedScale puts it in a graph, over a donated saved gradient."""
@@ -350,6 +372,7 @@ def _lp_opts(ignore_index: int, logit_scale: float, softcap: Optional[float]) ->
 
 
 @torch.library.custom_op("inductor_xent::linear_logprob_fwd", mutates_args=())
+@_without_autocast
 def linear_logprob_fwd(
     hidden: Tensor,
     weight: Tensor,
@@ -383,6 +406,7 @@ def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_ent
 
 
 @torch.library.custom_op("inductor_xent::linear_logprob_bwd", mutates_args=())
+@_without_autocast
 def linear_logprob_bwd(
     grad_log_probs: Tensor,
     grad_entropy: Optional[Tensor],

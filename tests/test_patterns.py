@@ -267,17 +267,6 @@ def test_not_a_site():
     assert counters["inductor_xent"]["sites_fused"] == counters["inductor_xent"]["sites_declined"] == 0
 
 
-def test_autocast_declines():
-    fn, _ = SPELLINGS["linear_view_mean"]
-    rec = Recorder()
-    ins = make_inputs()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager = fn(**ins)
-        compiled = torch.compile(fn, backend=rec)(**ins)
-    torch.testing.assert_close(compiled, eager)
-    assert fused_ops(rec.after[0]) == 0 and counters["inductor_xent"]["sites_declined"] == 1
-
-
 # ---------------------------------------------------------------------------------------------
 # dynamic shapes: no guard, recompile or graph break of our own
 # ---------------------------------------------------------------------------------------------

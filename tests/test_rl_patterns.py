@@ -171,11 +171,13 @@ def _inputs(dtype=torch.float32, seed=0):
     return {k: ins[k] for k in ("x", "W", "b", "y", "yv")}
 
 
-def _run(fn, ins, backend=None):
+def _run(fn, ins, backend=None, autocast=None):
     """fn's outputs and the gradients of sum(out * g) (g random, one per differentiable output)
-    with respect to x, W and b; compiled with ``backend`` when given."""
+    with respect to x, W and b; compiled with ``backend`` when given; the forward under
+    ``torch.autocast("cpu", autocast)`` when given."""
     leaves = {k: v.detach().clone().requires_grad_(v.is_floating_point()) for k, v in ins.items()}
-    outs = (torch.compile(fn, backend=backend) if backend else fn)(**leaves)
+    with torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        outs = (torch.compile(fn, backend=backend) if backend else fn)(**leaves)
     g = torch.Generator().manual_seed(1)
     upstream = [(o * torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)).sum()
                 for o in outs if o.requires_grad]
@@ -252,6 +254,31 @@ def test_values_and_gradients_within_torch_error(name, dtype):
     for what, a, s, e in zip(("x", "W", "b"), ours_g, same_g, exact_g):
         assert a.dtype == s.dtype
         assert_within_torch_error(a, s, e, floor=floor, what=f"{name} grad {what}")
+
+
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_under_autocast_within_torch_error(name):
+    """Under ``torch.autocast`` (bf16) with fp32 parameters, as RL trainers run: every head fuses
+    into one op call from the bf16 casts of the operands, every output and gradient within a
+    multiple of eager autocast's error from float64 on those values (the inputs are bf16-representable,
+    so float64 on them is what autocast computes exactly); argmax equal to float64's."""
+    fn, _, _, predictions = SPELLINGS[name]
+    ins = {k: v.bfloat16().float() if v.is_floating_point() else v for k, v in _inputs().items()}
+    rec = Recorder()
+    ours, ours_g = _run(fn, ins, rec, autocast=torch.bfloat16)
+    same, same_g = _run(fn, ins, autocast=torch.bfloat16)
+    exact, exact_g = _run(fn, {k: v.double() if v.is_floating_point() else v for k, v in ins.items()})
+    assert fused_ops(rec.after[0]) == 1 and counters["inductor_xent"]["sites_declined"] == 0
+    floor = torch.finfo(torch.bfloat16).eps / 8  # outputs autocast leaves in bf16 (a logsumexp on CPU)
+    for i, (a, s, e) in enumerate(zip(ours, same, exact)):
+        assert a.dtype == s.dtype and a.shape == s.shape, f"output {i}: {a.dtype}{tuple(a.shape)}"
+        if i in predictions:
+            assert torch.equal(a.double(), e.double()), f"output {i}: {a} != {e}"
+        else:
+            assert_within_torch_error(a, s, e, floor=floor, what=f"{name} output {i}")
+    for what, a, s, e in zip(("x", "W", "b"), ours_g, same_g, exact_g):
+        assert a.dtype == s.dtype == torch.float32
+        assert_within_torch_error(a, s, e, floor=1e-6, what=f"{name} grad {what}")
 
 
 def test_ignored_rows_keep_their_entropy():

@@ -51,7 +51,6 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     ``strategy`` / ``store_budget`` override ``config``'s (see inductor_xent/strategy.py)."""
     if config.dump_graphs():
         log.info("inductor_xent: graph before the pass:\n%s", gm.print_readable(print_output=False))
-    autocast = _plan.autocast_reason(gm)
     sites: list[Site] = []
     erased: set = set()
     reported: set = set()  # heads already in another head's site
@@ -60,7 +59,7 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
         if node in erased or node in reported:
             continue
         try:  # analysis is pure: a bug here declines the site instead of failing the user's compile
-            analysed = _analyse(gm, node, idioms, candidates, allow_escaping_logits, autocast)
+            analysed = _analyse(gm, node, idioms, candidates, allow_escaping_logits)
         except Exception as e:  # noqa: BLE001
             log.warning("inductor_xent: internal error analysing %s; site left alone", node.name, exc_info=True)
             analysed = Site("unknown", False, f"internal error in the pass (please report): {e!r}", node.name), None, []
@@ -99,8 +98,8 @@ def _match(node: Node, idioms: list) -> Union[LossSite, Decline, None]:
     return next((f for f in (idiom.match(node) for idiom in idioms) if f is not None), None)
 
 
-def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: bool,
-             autocast: Optional[str]) -> Optional[tuple[Site, Union[Plan, Decline], list]]:
+def _analyse(gm, node: Node, idioms: list, candidates: dict,
+             allow_escaping: bool) -> Optional[tuple[Site, Union[Plan, Decline], list]]:
     """(its Site, a Plan or a Decline, the heads it covers) for a candidate site at ``node``; None
     when it is none."""
     found = _match(node, idioms)
@@ -122,7 +121,7 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: boo
         pairs = [(found, chain), *_other_heads(found, chain, candidates)]
         heads = [h for h, _ in pairs]
         site.head = "+".join(k for k in HEADS if any(h.head == k for h in heads))
-        outcome = _plan.plan(gm, pairs, allow_escaping, autocast)
+        outcome = _plan.plan(gm, pairs, allow_escaping)
     if isinstance(outcome, Decline):
         site.reason, site.logits_escape, site.logits_input = outcome.reason, outcome.logits_escape, outcome.logits_input
     else:

@@ -41,11 +41,16 @@ _PY_INPLACE = {getattr(operator, n) for n in (*_PY_INPLACE_NAMES, "iconcat")}
 _PY_INPLACE_METHODS = {f"__{n}__" for n in _PY_INPLACE_NAMES}
 # torch._inductor.pattern_matcher._mutation_op_re: a trailing "_" (not dunder) or a set/enter/exit/seed word
 _INPLACE_NAME = re.compile(r"(?<!_)(_$|_[.]|(\b|_)(set|enter|exit|seed)(\b|_))(?!_)")
+# calls whose names look like writes (enter, exit) but that only switch autocast's dispatch state:
+# Dynamo records ``with torch.autocast(...)`` inside a compiled function as these two, the exit
+# taking the enter's handle (not a tensor)
+_STATE_ONLY = tuple(f for f in (getattr(torch.amp.autocast_mode, name, None)
+                                for name in ("_enter_autocast", "_exit_autocast")) if f is not None)
 
 
 def writes(node: Node) -> tuple[Node, ...]:
     """The nodes among ``node``'s arguments whose tensors it may write (empty for a pure op)."""
-    if node.op not in ("call_function", "call_method"):
+    if node.op not in ("call_function", "call_method") or node.target in _STATE_ONLY:
         return ()
     out: list = []
     if node.kwargs.get("out") is not None:

@@ -3,7 +3,14 @@
 heads read the same logits and targets (then one op call serves them all), dtypes and devices, the
 rows of the targets, the other users of the logits (a z-loss ``logsumexp`` is mapped onto the op's
 lse; anything else keeps the logits alive), writes in between (``_mutation.written_between``),
-grad-mode changes and autocast. Then ``gradients`` picks the site's strategy (strategy.py).
+grad-mode changes. Then ``gradients`` picks the site's strategy (strategy.py).
+
+Autocast (``torch.autocast`` around the compiled call, or entered inside it) leaves no node at the
+matmul: Dynamo traces the lm_head as ``linear(h, W)`` of fp32 tensors whose example value is
+bfloat16 (or float16). That example value says what eager computes, so the op takes the hidden
+states, weight and a linear's bias cast to the matmul's dtype (``Plan.dtype``), as autocast casts
+them, and computes the loss in fp32 as autocast's fp32 list does for ``cross_entropy``; the
+gradients flow back through the casts to the fp32 parameters.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from torch.fx import Node
 from .. import strategy
 from ..options import FLOAT_DTYPES
 from . import _dtensor, _logits, _mutation
-from ._fx import hint, numel_hint, same, tval
+from ._fx import arg, hint, is_call, numel_hint, same, tval
 from ._logits import Logits
 from ._site import NO_IGNORE, Decline, LossSite, ids_base, lse_of
 
@@ -41,6 +48,13 @@ class Plan:
     lse_users: dict  # logsumexp of the same logits -> (the walk, position of the node it reads, keepdim)
     escapes: list  # other users of the logits: they keep them (allow_escaping_logits)
     owned: list  # what the rewrite erases once dead: the heads, their walks, the rows of a stacked logsumexp
+    dtype: torch.dtype  # what the op computes from: the matmul's dtype (autocast's, when it casts)
+
+    @property
+    def autocast(self) -> bool:
+        """The matmul computes in another dtype than its operands': autocast casts them."""
+        return any(tval(n).dtype != self.dtype for n in (self.logits.hidden, self.logits.weight, self.logits.bias)
+                   if n is not None)
 
     @property
     def site(self) -> LossSite:
@@ -67,12 +81,12 @@ class Plan:
         return any(u.op == "output" for u in self.escapes)
 
 
-def plan(gm, heads: list, allow_escaping: bool, autocast: Optional[str]) -> Union[Plan, Decline]:
+def plan(gm, heads: list, allow_escaping: bool) -> Union[Plan, Decline]:
     """The rewrite of ``heads`` ((LossSite, Logits) pairs over one matmul, the driver's first), or
     why there is none."""
     site = heads[0][0]
     chain = next((c for h, c in heads if h.head != "argmax"), heads[0][1])
-    reason = autocast or _heads_reason(heads, chain) or _inputs_reason(heads, chain)
+    reason = _heads_reason(heads, chain) or _inputs_reason(heads, chain)
     if reason:
         return Decline(None, site.loss, reason)
     read = dict.fromkeys(n for h, c in heads for n in (*c.nodes, *h.consumed))  # the logits and what heads derive
@@ -99,7 +113,7 @@ def plan(gm, heads: list, allow_escaping: bool, autocast: Optional[str]) -> Unio
     reason = reason or _grad_mode_between(gm, order, chain, last)
     if reason:
         return Decline(None, site.loss, reason)
-    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned))
+    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain))
 
 
 def _with_target(heads: list) -> Optional[LossSite]:
@@ -149,10 +163,15 @@ def _inputs_reason(heads: list, chain: Logits) -> Optional[str]:
     tx, tw = tval(chain.hidden), tval(chain.weight)
     tb = tval(chain.bias) if chain.bias is not None else None
     with_target = [h for h, _ in heads if h.target is not None]
-    if tx.dtype not in FLOAT_DTYPES:
-        return f"unsupported hidden dtype {tx.dtype}"
-    if tw.dtype != tx.dtype or (tb is not None and tb.dtype != tx.dtype):
-        return f"mixed dtypes: hidden {tx.dtype}, weight {tw.dtype}, bias {None if tb is None else tb.dtype}"
+    dtype = op_dtype(chain)
+    if dtype not in FLOAT_DTYPES:
+        return f"unsupported logits dtype {dtype}"
+    if any(t.dtype not in FLOAT_DTYPES for t in (tx, tw, tb) if t is not None):
+        return f"unsupported dtypes: hidden {tx.dtype}, weight {tw.dtype}, bias {None if tb is None else tb.dtype}"
+    # autocast casts the matmul's operands (a linear's bias among them), never a bias added after it
+    cast_bias = tb is not None and chain.bias is arg(chain.matmul, 2, "bias") and is_call(chain.matmul, _logits.LINEAR)
+    if tb is not None and not cast_bias and tb.dtype != dtype:
+        return f"mixed dtypes: logits {dtype}, bias {tb.dtype} added after the matmul"
     devices = {t.device for t in (tx, tw, tb, *(tval(h.target) for h in with_target)) if t is not None}
     if len(devices) != 1 or next(iter(devices)).type not in SUPPORTED_DEVICES:
         return f"unsupported device(s) {sorted(map(str, devices))}"
@@ -163,7 +182,7 @@ def _inputs_reason(heads: list, chain: Logits) -> Optional[str]:
         tt, tz = tval(h.target), tval(h.logits)
         if not same(tt.numel(), math.prod(tz.shape[:-1])):
             return f"the targets {tuple(tt.shape)} do not give one class id per row of the logits {tuple(tz.shape)}"
-    if any(tval(h.loss).dtype == torch.float64 for h, _ in heads) and tx.dtype != torch.float64:
+    if any(tval(h.loss).dtype == torch.float64 for h, _ in heads) and dtype != torch.float64:
         return "float64 loss of lower-precision logits: the op would compute in float32"
     return None
 
@@ -194,15 +213,10 @@ def _grad_mode_between(gm, order: dict, chain: Logits, last: Node) -> Optional[s
     return None
 
 
-def autocast_reason(gm) -> Optional[str]:
-    """Autocast changes the matmul's dtype behind the graph's back: decline inside it."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and "autocast" in getattr(n.target, "__name__", ""):
-            return "autocast region in the graph (not supported yet)"
-    for dev in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(dev):
-            return f"autocast is enabled for {dev} (not supported yet)"
-    return None
+def op_dtype(chain: Logits) -> torch.dtype:
+    """The dtype the op computes from: the matmul's example value's, which under autocast is
+    autocast's dtype (bfloat16, float16) while the hidden states and weight are fp32."""
+    return tval(chain.matmul).dtype
 
 
 def gradients(p: Plan, which: Optional[str], budget) -> strategy.Plan:
@@ -213,12 +227,12 @@ def gradients(p: Plan, which: Optional[str], budget) -> strategy.Plan:
         return strategy.Plan("recompute", reason="the log-probs op (entropy, argmax) recomputes")
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
         return strategy.Plan("recompute", reason="no vocabulary-parallel store kernel")
-    tx, tw = tval(chain.hidden), tval(chain.weight)
+    tx = tval(chain.hidden)
     v, d = chain.vd
     n = numel_hint(tx)
     n = None if n is None else n // max(1, hint(d) or 1)
     reduced = len(p.heads) == 1 and site.head == "cross_entropy"  # store gives one reduced loss
-    return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, tx.dtype, tw.dtype,
+    return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
                          reduction=site.reduction if reduced else "none", needs=chain.needs,
                          label_smoothing=site.label_smoothing, softcap=chain.softcap,
                          lse_used=bool(p.lse_users), strategy=which, budget=budget, device=tx.device.type)

@@ -41,12 +41,15 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
         weight = _logits.scaled_weight(graph, chain)
     else:
         weight = chain.weight if chain.weight_is_vd else e.method("t", chain.weight)
+    # autocast: the operands in the matmul's dtype, as autocast casts them (gradients flow back through the casts)
+    hidden2d, weight = _cast(e, hidden2d, plan.dtype), _cast(e, weight, plan.dtype)
+    bias = None if chain.bias is None else _cast(e, chain.bias, plan.dtype)
     target, ii = plan.target, int(plan.ignore_index)
     target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     folded: list = []  # negations of a head that the op's output replaces instead
     if how.strategy == "store":  # the reduced loss; its gradients are computed in the same op
-        out = e.call(ops.STORE, hidden2d, weight, chain.bias, target1d, ii, float(site.label_smoothing), scale, cap,
+        out = e.call(ops.STORE, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
                      0.0, site.reduction, 0, how.budget, *chain.needs)
         site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
         return _erase_dead(gm, plan, erased, folded)
@@ -56,7 +59,7 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
             ids = e.method("new_zeros", hidden2d, e.method("size", hidden2d, 0), dtype=torch.long)
         else:
             ids = target1d if ii == NO_IGNORE else e.call(torch.where, e.call(operator.eq, target1d, ii), 0, target1d)
-        out = e.call(ops.LOGPROB_FORWARD, hidden2d, weight, chain.bias, ids, NO_IGNORE, scale, cap,
+        out = e.call(ops.LOGPROB_FORWARD, hidden2d, weight, bias, ids, NO_IGNORE, scale, cap,
                      "entropy" in kinds, "argmax" in kinds)
         item = functools.cache(lambda i: _dtensor.local(e, e.getitem(out, i)))
         lp = item(0)
@@ -67,7 +70,7 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
                   "entropy": (lambda: item(1), 1), "argmax": (lambda: item(2), 1)}
         lse = item(3) if plan.lse_users else None
     else:
-        out = e.call(ops.FORWARD, hidden2d, weight, chain.bias, target1d, ii, float(site.label_smoothing), scale, cap,
+        out = e.call(ops.FORWARD, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
                      0.0)
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
@@ -153,6 +156,9 @@ def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
     return avoided
 
 
+def _cast(e: Emitter, node: Node, dtype: torch.dtype) -> Node:
+    return node if tval(node).dtype == dtype else e.method("to", node, dtype)
+
+
 def _cast_like(e: Emitter, node: Node, like: Node) -> Node:
-    want = tval(like).dtype
-    return node if tval(node).dtype == want else e.method("to", node, want)
+    return _cast(e, node, tval(like).dtype)
