@@ -81,7 +81,7 @@ def linear_cross_entropy(
         store = ops.STORE if torch.compiler.is_compiling() else ops.store_consuming_gradients
         loss, *_ = store(hidden2d, weight, bias, target1d, *options, reduction, 0, budget, *needs)
         return loss
-    rows, _, _ = ops.FORWARD(hidden2d, weight, bias, target1d, *options)
+    rows = ops.FORWARD(hidden2d, weight, bias, target1d, *options)[0]
     if reduction == "none":
         return rows.view(target.shape)
     if reduction == "sum":

@@ -110,6 +110,11 @@ def _check(*args) -> Layout:
     return lay
 
 
+def _no_logits(write_logits: bool) -> None:
+    if write_logits:
+        raise NotImplementedError("inductor_xent: vocabulary-parallel ops do not write the logits (write_logits)")
+
+
 def _local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -156,8 +161,8 @@ def _forward(lay: Layout, x, w, b, t, ignore_index, eps, logit_scale, softcap, z
     """Local tensors in, per-row (loss, lse, lse_lo) out, the same on every vocabulary rank."""
     cd = compute_dtype(x.dtype)
     # the shard's logsumexp from the fused op; every target ignored, so its loss output is unused
-    _, lse_r, lse_lo_r = _FWD(x, w, b, torch.full_like(t, ignore_index), ignore_index, 0.0, logit_scale, softcap,
-                              0.0)
+    _, lse_r, lse_lo_r, _ = _FWD(x, w, b, torch.full_like(t, ignore_index), ignore_index, 0.0, logit_scale,
+                                 softcap, 0.0)
     valid, mine, local_t = _rows(t, lay, ignore_index)
     zt = torch.where(mine, _target_logit(x, w, b, torch.where(mine, local_t, 0), logit_scale, softcap, cd), 0.0)
     m = _all_reduce(lse_r, "max", lay)
@@ -179,14 +184,17 @@ def _forward(lay: Layout, x, w, b, t, ignore_index, eps, logit_scale, softcap, z
     return torch.where(valid, loss, 0.0), lse, lse_lo
 
 
-def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
-    """``ops.FORWARD`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors."""
+def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss,
+            write_logits=False):
+    """``ops.FORWARD`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors, and an
+    empty logits output (the pass never asks a vocabulary-parallel op for the logits)."""
     lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    _no_logits(write_logits)
     x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
     if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
         fallback.check_targets(t, lay.vocab, ignore_index)
     out = _forward(lay, x, w, b, t, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
-    return tuple(_replicate(o, hidden) for o in out)
+    return (*(_replicate(o, hidden) for o in out), _replicate(x.new_empty((0,)), hidden))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,11 +252,12 @@ def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ign
 
 
 def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
-          chunk_rows, budget, needs_hidden, needs_weight, needs_bias):
+          chunk_rows, budget, needs_hidden, needs_weight, needs_bias, write_logits=False):
     """``ops.STORE`` on DTensors: the reduced loss (a Replicate DTensor) and its gradients,
     from the recompute forward and backward above (8·N·D·V/tp per rank, not the single-rank store's
     6·N·D·V: there is no vocabulary-parallel store kernel; the pass always picks recompute here)."""
     lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    _no_logits(write_logits)
     x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
     if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
         fallback.check_targets(t, lay.vocab, ignore_index)
@@ -262,7 +271,8 @@ def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_sca
         loss, g = rows.sum(), valid.to(rows.dtype)
     needs = (needs_hidden, needs_weight, needs_bias and b is not None)
     grads = _backward(lay, g, torch.zeros_like(lse), x, w, b, t, lse, lse_lo, *opts, needs)
-    return (_replicate(loss, hidden), *_grads(lay, hidden, weight, bias, grads, needs))
+    return (_replicate(loss, hidden), *_grads(lay, hidden, weight, bias, grads, needs),
+            _replicate(x.new_empty((0,)), hidden))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,8 +280,8 @@ def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_sca
 # ---------------------------------------------------------------------------------------------
 def _rule(impl):
     def rule(mode, func, types, args, kwargs):
-        names = [a.name for a in func._schema.arguments]
-        return impl(*args, *(kwargs[n] for n in names[len(args):]))
+        rest = func._schema.arguments[len(args):]
+        return impl(*args, *(kwargs.get(a.name, a.default_value) for a in rest))
 
     return rule
 

@@ -55,10 +55,14 @@ def chunk_rows(num_rows: int, vocab: int, dtype: torch.dtype) -> int:
     return max(1, min(num_rows, config.fallback_chunk_bytes // max(1, vocab * itemsize)))
 
 
-def _chunk_logits(h: Tensor, w: Tensor, b: Optional[Tensor], opts: LossOptions) -> tuple[Tensor, Optional[Tensor]]:
+def _chunk_logits(h: Tensor, w: Tensor, b: Optional[Tensor], opts: LossOptions,
+                  raw_out: Optional[Tensor] = None) -> tuple[Tensor, Optional[Tensor]]:
     """Logits of one row chunk in the compute dtype, and the uncapped ``x = z_raw / softcap`` when
-    capped (the backward's ``sech²(x)``; ``None`` otherwise)."""
+    capped (the backward's ``sech²(x)``; ``None`` otherwise). ``raw_out`` (the rows of the op's
+    logits output) receives ``h @ w.T + b`` rounded to its dtype, before the scale and softcap."""
     z = torch.mm(h, w.t()) if b is None else torch.addmm(b, h, w.t())
+    if raw_out is not None:
+        raw_out.copy_(z)
     if opts.logit_scale != 1.0:
         z.mul_(opts.logit_scale)
     if opts.softcap is None:
@@ -137,6 +141,7 @@ def forward(
     bias: Optional[Tensor],  # (V,)
     target: Tensor,  # (N,)
     opts: LossOptions,
+    logits: Optional[Tensor] = None,  # (N, V): receives the raw logits (write_logits)
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row loss, logsumexp and its rounding residual, all (N,) in the compute dtype."""
     n, vocab = hidden.shape[0], weight.shape[0]
@@ -145,7 +150,7 @@ def forward(
     step = chunk_rows(n, vocab, cd)
     for start in range(0, n, step):
         rows = slice(start, start + step)
-        z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts)
+        z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts, None if logits is None else logits[rows])
         t = target[rows]
         loss[rows], lse[rows], lse_lo[rows] = _row_stats(z, t, t != opts.ignore_index, opts)
     return loss, lse, lse_lo
@@ -240,6 +245,7 @@ def store(
     opts: LossOptions,
     reduction: str,  # "mean" | "sum"
     needs: tuple[bool, bool, bool],
+    logits: Optional[Tensor] = None,  # (N, V): receives the raw logits (write_logits)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The reduced loss (0-dim, compute dtype) and its gradients w.r.t. (hidden, weight, bias), all
     from one pass over the logits (the ``store`` strategy); an empty tensor stands for each
@@ -261,7 +267,7 @@ def store(
         rows = slice(start, start + step)
         h = hidden[rows].to(cd)
         t, ok = target[rows], valid[rows]
-        z, x = _chunk_logits(h, w, b, opts)
+        z, x = _chunk_logits(h, w, b, opts, None if logits is None else logits[rows])
         loss, lse, lse_lo = _row_stats(z, t, ok, opts)
         total += loss.sum()
         if not any(needs):

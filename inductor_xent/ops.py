@@ -4,10 +4,13 @@
 
 Strategy ``recompute`` (strategy.py):
 
-* ``inductor_xent::linear_ce_fwd(hidden, weight, bias, target, <options>) -> (loss, lse, lse_lo)``:
-  per-row loss (0 on ignored rows), logsumexp, and the logsumexp's rounding residual (``lse +
-  lse_lo`` is the logsumexp to twice the working precision; not differentiable), each (N,),
-  float32 (float64 for float64 inputs).
+* ``inductor_xent::linear_ce_fwd(hidden, weight, bias, target, <options>, write_logits=False) ->
+  (loss, lse, lse_lo, logits)``: per-row loss (0 on ignored rows), logsumexp, and the logsumexp's
+  rounding residual (``lse + lse_lo`` is the logsumexp to twice the working precision; not
+  differentiable), each (N,), float32 (float64 for float64 inputs); with ``write_logits`` also the
+  raw logits ``hidden @ weight.T + bias`` (N, V) in the inputs' dtype, written by the forward from
+  the tiles it computes anyway (else an empty (0,)); not differentiable: the pass attaches their
+  gradient outside the compiled graph (escape.py), where it costs nothing unless used.
 * ``inductor_xent::linear_ce_bwd(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo,
   <options>, needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``:
   always three tensors; one that is not needed is empty, shape (0,).
@@ -19,7 +22,8 @@ logits.
 Strategy ``store``:
 
 * ``inductor_xent::linear_ce_store(hidden, weight, bias, target, <options>, reduction, chunk_rows,
-  budget, needs_hidden, needs_weight, needs_bias) -> (loss, grad_hidden, grad_weight, grad_bias)``:
+  budget, needs_hidden, needs_weight, needs_bias, write_logits=False) -> (loss, grad_hidden,
+  grad_weight, grad_bias, logits)`` (``logits`` as ``linear_ce_fwd``'s):
   the reduced loss (0-dim; ``reduction`` is "mean" or "sum") and, computed in the same pass over
   the logits, its gradients (not differentiable outputs; empty where not needed). ``chunk_rows`` 0
   sizes the row chunks at run time from ``budget`` (strategy.chunk_rows), so a dynamic N is
@@ -134,20 +138,30 @@ def linear_ce_fwd(
     logit_scale: float,
     softcap: Optional[float],
     z_loss: float,
-) -> tuple[Tensor, Tensor, Tensor]:
+    write_logits: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     if target.device.type == "cpu":
         fallback.check_targets(target, weight.shape[0], ignore_index)
+    logits = _logits_output(hidden, weight, write_logits)
+    out = logits if write_logits else None
     if use_triton(hidden):
-        return _kernels(hidden).forward(hidden, weight, bias, target, opts)
-    return fallback.forward(hidden, weight, bias, target, opts)
+        return (*_kernels(hidden).forward(hidden, weight, bias, target, opts, logits=out), logits)
+    return (*fallback.forward(hidden, weight, bias, target, opts, logits=out), logits)
 
 
 @linear_ce_fwd.register_fake
-def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss):
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, write_logits=False):
     cd = compute_dtype(hidden.dtype)
     n = hidden.shape[0]
-    return tuple(hidden.new_empty((n,), dtype=cd) for _ in range(3))
+    return (*(hidden.new_empty((n,), dtype=cd) for _ in range(3)), _logits_output(hidden, weight, write_logits))
+
+
+def _logits_output(hidden: Tensor, weight: Tensor, write_logits: bool) -> Tensor:
+    """The ``logits`` output: ``hidden @ weight.T + bias`` in the inputs' dtype, (N, V), when
+    ``write_logits`` (the forward kernel writes each tile it computes anyway: no second GEMM), else
+    an empty (0,). The pass asks for it where the compiled function returns the logits too."""
+    return hidden.new_empty((hidden.shape[0], weight.shape[0]) if write_logits else (0,))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,11 +215,13 @@ def _(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ignore_ind
 def _setup_context(ctx, inputs, output):
     hidden, weight, bias, target, *options = inputs
     ctx.save_for_backward(hidden, weight, bias, target, output[1], output[2])
-    ctx.mark_non_differentiable(output[2])
-    ctx.options = options
+    # the logits output carries no gradient here: the pass hands the returned logits to
+    # escape.EscapedLogits, whose backward runs only when the caller uses them
+    ctx.mark_non_differentiable(output[2], output[3])
+    ctx.options = options[:5]  # ignore_index ... z_loss (not write_logits)
 
 
-def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo):
+def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo, _grad_logits):
     hidden, weight, bias, target, lse, lse_lo = ctx.saved_tensors
     if grad_loss is None:
         grad_loss = torch.zeros_like(lse)
@@ -220,7 +236,7 @@ def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo):
         grad_h if need_h else None,
         grad_w if need_w else None,
         grad_b if need_b and bias is not None else None,
-        None, None, None, None, None, None,
+        None, None, None, None, None, None, None,
     )
 
 
@@ -248,7 +264,8 @@ def linear_ce_store(
     needs_hidden: bool,
     needs_weight: bool,
     needs_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    write_logits: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     if reduction not in ("mean", "sum"):
         raise ValueError(f"linear_ce_store: reduction must be 'mean' or 'sum', got {reduction!r}")
@@ -259,23 +276,27 @@ def linear_ce_store(
     if target.device.type == "cpu":
         fallback.check_targets(target, weight.shape[0], ignore_index)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    logits = _logits_output(hidden, weight, write_logits)
+    out = logits if write_logits else None
     if use_triton(hidden):
-        return _kernels(hidden).store(hidden, weight, bias, target, opts, reduction, chunk_rows, needs)
-    return fallback.store(hidden, weight, bias, target, opts, reduction, needs)
+        return (*_kernels(hidden).store(hidden, weight, bias, target, opts, reduction, chunk_rows, needs, logits=out),
+                logits)
+    return (*fallback.store(hidden, weight, bias, target, opts, reduction, needs, logits=out), logits)
 
 
 @linear_ce_store.register_fake
 def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, reduction,
-      chunk_rows, budget, needs_hidden, needs_weight, needs_bias):
+      chunk_rows, budget, needs_hidden, needs_weight, needs_bias, write_logits=False):
     loss = hidden.new_empty((), dtype=compute_dtype(hidden.dtype))
-    return (loss, *_grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias))
+    return (loss, *_grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias),
+            _logits_output(hidden, weight, write_logits))
 
 
 # set by store_consuming_gradients around one call of the op, read by its setup_context
 _GRADIENTS_CONSUMED = contextvars.ContextVar("inductor_xent_store_gradients_consumed", default=False)
 
 
-def store_consuming_gradients(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def store_consuming_gradients(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``linear_ce_store(*args)`` for a caller that drops the three gradient outputs at once: the
     eager backward may then scale them in place (no copy; no memory traffic at all on the GPU for
     an upstream 1), since nobody else can see them. Eager only (a context variable)."""
@@ -287,19 +308,19 @@ def store_consuming_gradients(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 
 def _store_setup_context(ctx, inputs, output):
-    _, grad_h, grad_w, grad_b = output
+    _, grad_h, grad_w, grad_b, logits = output
     ctx.consumed = _GRADIENTS_CONSUMED.get()  # the caller dropped the gradient outputs
     ctx.save_for_backward(grad_h, grad_w, grad_b)
-    ctx.mark_non_differentiable(grad_h, grad_w, grad_b)
+    ctx.mark_non_differentiable(grad_h, grad_w, grad_b, logits)  # logits: see _setup_context
     # the three gradient outputs get no incoming gradient: without this autograd fills a zero one
     # for each (the weight gradient's size: 1 GiB at llama3-8b, 0.33 ms on the H200)
     ctx.set_materialize_grads(False)
-    ctx.computed = tuple(inputs[-3:])  # needs_hidden, needs_weight, needs_bias
+    ctx.computed = tuple(inputs[12:15])  # needs_hidden, needs_weight, needs_bias
 
 
 def _store_backward(ctx, grad_loss, *_unused):
     if grad_loss is None:  # not materialised (setup_context): nothing flows into the loss
-        return (None,) * 15
+        return (None,) * 16
     grads = []
     for name, want, computed, g in zip(("hidden", "weight", "bias"), ctx.needs_input_grad[:3], ctx.computed,
                                        ctx.saved_tensors):
@@ -310,7 +331,7 @@ def _store_backward(ctx, grad_loss, *_unused):
                                f"(needs_{name}=False) but autograd asks for one")
         else:  # 0-dim grad_loss: the result keeps g's dtype, rounded once
             grads.append(_scaled(g, grad_loss, ctx.consumed))
-    return (*grads, *(None,) * 12)
+    return (*grads, *(None,) * 13)
 
 
 def _scaled(g: Tensor, grad_loss: Tensor, consumed: bool) -> Tensor:

@@ -151,7 +151,7 @@ def test_lse_output_gradient(small_chunks):
     y[::2] = -100  # ignored rows still have an lse, and its gradient
 
     def fn(h, w):
-        loss, lse, _ = ops.FORWARD(h, w, None, y, -100, 0.1, 1.0, 1.7, 0.0)
+        loss, lse, _, _ = ops.FORWARD(h, w, None, y, -100, 0.1, 1.0, 1.7, 0.0)
         return loss.sum() + (lse**2).sum()
 
     assert torch.autograd.gradcheck(fn, (h, w))

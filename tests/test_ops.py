@@ -34,7 +34,7 @@ def test_opcheck_forward(dtype, bias, softcap):
 def test_opcheck_backward(needs):
     h, w, b, y = _args()
     with torch.no_grad():
-        _, lse, lse_lo = FWD(h, w, b, y, -100, 0.0, 1.0, None, 0.0)
+        _, lse, lse_lo, _ = FWD(h, w, b, y, -100, 0.0, 1.0, None, 0.0)
     g, gl = torch.randn(13), torch.randn(13)
     args = (g, gl, h.detach(), w.detach(), b.detach(), y, lse, lse_lo, -100, 0.0, 1.0, None, 0.0, *needs)
     torch.library.opcheck(BWD, args)
@@ -184,3 +184,26 @@ def test_backward_graph_saves_no_logits(strategy):
     assert (BWD in targets) == (strategy == "recompute")
     assert STORE in {node.target for node in fw.graph.nodes} or strategy == "recompute"
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["forward", "store"])
+def test_write_logits(op, dtype):
+    """write_logits: the last output is hidden @ W.T + b in the inputs' dtype (an empty (0,) without
+    it), not differentiable, and the other outputs are the same bits either way."""
+    h, w, b, y = _args(dtype=dtype)
+    if op == "forward":
+        args = (h, w, b, y, -100, 0.1, 0.9, 2.0, 1e-3)
+        torch.library.opcheck(FWD, (*args, True))
+        with_logits, without = FWD(*args, True), FWD(*args)
+    else:
+        args = (h, w, b, y, -100, 0.1, 0.9, None, 1e-3, "mean", 8, "1x", True, True, True)
+        torch.library.opcheck(STORE, (*args, True))
+        with_logits, without = STORE(*args, True), STORE(*args)
+    assert without[-1].shape == (0,)
+    for a, c in zip(with_logits[:-1], without[:-1]):
+        assert torch.equal(a, c)
+    logits = with_logits[-1]
+    assert logits.dtype == dtype and not logits.requires_grad
+    expected = torch.nn.functional.linear(h.float(), w.float(), b.float()).to(dtype)  # fp32 sum, rounded once
+    assert torch.equal(logits, expected.detach())

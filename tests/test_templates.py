@@ -540,7 +540,8 @@ def test_store_op_called_directly_keeps_the_gradients_it_returned(monkeypatch):
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
     h, w, _, t = make_inputs(dtype=torch.bfloat16, seed=17)
     hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    loss, gh, gw, _ = ops.STORE(hh, ww, None, t, -100, 0.0, 1.0, None, 0.0, "mean", 0, "1x", True, True, False)
+    loss, gh, gw, _, _ = ops.STORE(hh, ww, None, t, -100, 0.0, 1.0, None, 0.0, "mean", 0, "1x", True, True,
+                                    False)
     held = gh.clone(), gw.clone()
     (loss * 0.5).backward()
     assert torch.equal(gh, held[0]) and torch.equal(gw, held[1])
@@ -778,3 +779,35 @@ def test_log_probs_grpo_through_the_op(monkeypatch, dtype):
     kw = dict(temperature=0.7, softcap=8.0)
     check_grpo(lambda hh, ww: inductor_xent.linear_log_probs(hh, ww, t, entropy=True, **kw)[:2], h, w, t, kw, batch,
                k=K, floor=EPS[dtype])
+
+
+# ---------------------------------------------------------------------------------------------
+# write_logits: the raw logit tiles, for a compiled function that returns the logits too (escape.py)
+# ---------------------------------------------------------------------------------------------
+# (kernel, bias, dtype): each kernel in both dtypes, with and without a bias, three store chunks once
+WRITE_CASES = [("forward", True, torch.float32), ("forward", False, torch.bfloat16),
+               ("store_one_chunk", True, torch.bfloat16), ("store_chunks", False, torch.float32)]
+
+
+@pytest.mark.parametrize("kind, bias, dtype", WRITE_CASES)
+def test_write_logits_is_the_lm_head_output(kind, bias, dtype):
+    """Both forward kernels write hidden @ W.T + b rounded once to the input dtype, every row and
+    column (unaligned V, a partial last row block, three store chunks), and compute the same loss
+    as without writing (the epilogue is otherwise unchanged)."""
+    h, w, b, t = make_inputs(n=37, d=16, v=67, dtype=dtype, bias=bias, seed=11)
+    o = LossOptions(softcap=4.0, logit_scale=0.5)
+    exact = F.linear(h.double(), w.double(), None if b is None else b.double())
+    logits = torch.full((h.shape[0], w.shape[0]), float("nan"), dtype=dtype, device=DEVICE)
+    if kind == "forward":
+        with_logits = launch.forward(h, w, b, t, o, logits=logits)
+        without = launch.forward(h, w, b, t, o)
+    else:
+        chunk = 16 if kind == "store_chunks" else 0
+        args = (h, w, b, t, o, "mean", chunk, (True, True, bias))
+        with_logits, without = launch.store(*args, logits=logits), launch.store(*args)
+    for a, c in zip(with_logits, without):
+        assert torch.equal(a, c)
+    # one rounding of the fp32 sum to the output dtype (the interpreter truncates: up to one ulp more)
+    ulp = torch.finfo(dtype).eps * (1.0 if CUDA else 2.0)
+    err = ((logits.double() - exact).abs() / exact.abs().clamp_min(1.0)).max().item()
+    assert err <= ulp + (1e-6 if dtype == torch.float32 else 0.0), err

@@ -191,6 +191,22 @@ def apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap,
     return z, sech2
 
 
+@triton.jit
+def store_raw_logits(logits_ptr, acc, bias_ptr, rows, offs_v, row_mask, col_mask, stride_l_n,
+                     HAS_BIAS: tl.constexpr, EVEN: tl.constexpr):
+    """logits[rows, offs_v] = acc + bias, rounded once to the output's dtype: the tile as the
+    model's lm_head (a GEMM with fp32 accumulation and a bias epilogue) gives it, for a compiled
+    function that returns the logits too. ``rows`` are clamped in bounds; EVEN: no mask needed."""
+    raw = acc
+    if HAS_BIAS:
+        raw = raw + tl.load(bias_ptr + offs_v, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = logits_ptr + rows[:, None] * stride_l_n + offs_v[None, :]
+    if EVEN:
+        tl.store(out, raw.to(logits_ptr.dtype.element_ty))
+    else:
+        tl.store(out, raw.to(logits_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
 # EPILOGUE_NOTE. The kernels' epilogues run on the warps that issue the tile's MMAs (one CTA per SM).
 # sm_90 SASS of the store forward (offline compile, 128x256 tile, 8 warps: 128 logits per thread)
 # had ~20 instructions per logit in its epilogue, four of them the target's one-hot (a 64-bit

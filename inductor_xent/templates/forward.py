@@ -49,6 +49,7 @@ from .common import (
     grouped_pid,
     max_combine,
     min_combine,
+    store_raw_logits,
     target_slot,
     tile_logits,
 )
@@ -60,11 +61,11 @@ from .common import (
 @triton.jit
 def lce_fwd_kernel(
     # pointers
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, arg_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, arg_ptr, logits_ptr,
     # sizes
     N, V, D, tiles_per_split, num_splits,
     # strides
-    stride_h_n, stride_h_d, stride_w_v, stride_w_d,
+    stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_l_n,
     # loss options
     logit_scale, softcap,
     # meta-parameters
@@ -73,9 +74,11 @@ def lce_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_V: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr,
 ):
     """One (row block, vocabulary split): partials m, s, zt[, sz][, a] into part[P, num_splits, N],
-    and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32). With USE_TMA, hidden_ptr and
+    and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32); with WRITE_LOGITS each
+    raw tile (acc + bias) into logits[N, V] in its dtype (escape.py: the returned logits). With USE_TMA, hidden_ptr and
     weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks (row-major,
     16-byte aligned operands; the launcher decides)."""
     pid_m, pid_s = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), num_splits, GROUP_M)
@@ -102,6 +105,9 @@ def lce_fwd_kernel(
         acc = tile_logits(hidden_ptr, weight_ptr, pid_m * BLOCK_M, rows, v0, offs_v, D,
                           stride_h_n, stride_h_d, stride_w_v, stride_w_d, V,
                           BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST, USE_TMA)
+        if WRITE_LOGITS:
+            store_raw_logits(logits_ptr, acc, bias_ptr, rows, offs_v, row_mask, col_mask, stride_l_n, HAS_BIAS,
+                             False)
         z, _ = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP,
                               HAS_SCALE)
 

@@ -107,6 +107,7 @@ def forward(
     opts: LossOptions,
     *,
     cfg: Optional[KernelConfig] = None,  # the benchmark's --sweep; the table's choice otherwise
+    logits: Optional[Tensor] = None,  # (N, V): receives hidden @ weight.T + bias (write_logits)
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Per-row loss (0 on ignored rows), logsumexp and its rounding residual (every row), (N,) fp32."""
     n = hidden.shape[0]
@@ -115,7 +116,8 @@ def forward(
     if n == 0:
         return loss, lse, lse_lo
     cfg = cfg or configs.forward_config(hidden.dtype)
-    _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, v), (loss, lse, lse_lo))
+    _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, v), (loss, lse, lse_lo),
+                  logits=logits)
     return loss, lse, lse_lo
 
 
@@ -159,11 +161,12 @@ def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
 
 
 def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
-                  entropy=None, argmax=None):
+                  entropy=None, argmax=None, logits=None):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
     with ``e`` (the store forward, store.lce_store_fwd_kernel: one split per tile) also the
     exp-logit tiles, and ``st`` the target's sech² under a softcap; with ``entropy`` / ``argmax``
-    those of every row. Returns the partials (their plane 0 holds each split's row max)."""
+    those of every row; with ``logits`` the raw logit tiles (acc + bias, in its dtype). Returns the
+    partials (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -180,8 +183,9 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     if e is not None:
         programs = min(_num_sms(dev), triton.cdiv(n, cfg.block_m) * splits)
         lce_store_fwd_kernel[(programs,)](
-            h_op, w_op, bias, target, part, e,
+            h_op, w_op, bias, target, part, e, logits,
             n, v, d, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), e.stride(0),
+            0 if logits is None else logits.stride(0),
             logit_scale, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
@@ -189,20 +193,22 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
             NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
             NUM_PROGRAMS=programs, FLATTEN=use_tma,  # pointer loads in a flattened loop: 2x slower (NOTES.md)
             HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_V=v % cfg.block_n == 0,
+            WRITE_LOGITS=logits is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
         lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
-            h_op, w_op, bias, target, part, arg_part,
+            h_op, w_op, bias, target, part, arg_part, logits,
             n, v, d, tiles_per_split, splits,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+            0 if logits is None else logits.stride(0),
             logit_scale, softcap,
             HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_SUM_Z=need_sum_z,
             NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
             NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
-            HAS_SCALE=logit_scale != 1.0, EVEN_V=v % cfg.block_n == 0,
+            HAS_SCALE=logit_scale != 1.0, EVEN_V=v % cfg.block_n == 0, WRITE_LOGITS=logits is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     loss, lse, lse_lo = outs
@@ -373,6 +379,7 @@ def store(
     *,
     cfg: Optional[KernelConfig] = None,
     fp32_accumulate: Optional[bool] = None,  # the benchmark's --store-options; the precision rule otherwise
+    logits: Optional[Tensor] = None,  # (N, V): receives hidden @ weight.T + bias (write_logits)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The reduced loss (0-dim fp32) and its gradients (hidden, weight, bias) from one pass over row
     chunks (store.py has the steps); a gradient not in ``needs`` is an empty (0,) tensor."""
@@ -426,7 +433,8 @@ def store(
         h_c, t_c = hidden[rows], target[rows]
         e = e_buf[:m]
         part = _forward_pass(h_c, weight, bias, t_c, opts, cfg, num_tiles, 1,
-                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None)
+                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None,
+                             logits=None if logits is None else logits[rows])
         dz = e.view(dz_dtype) if dz_dtype.itemsize == e_dtype.itemsize else e
         lce_store_dz_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
             e, dz, part, t_c, lse[rows], lse_lo[rows], st[rows] if need_st else None, g[rows], dbias,

@@ -30,18 +30,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import LOG2E, add_combine, apply_epilogue, cdiv, grouped_pid, loop_tile_logits, max_combine, target_slot
+from .common import (
+    LOG2E,
+    add_combine,
+    apply_epilogue,
+    cdiv,
+    grouped_pid,
+    loop_tile_logits,
+    max_combine,
+    store_raw_logits,
+    target_slot,
+)
 
 
 @triton.jit
 def lce_store_fwd_kernel(
     # pointers (with USE_TMA, hidden_ptr and weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K]
     # and [BLOCK_N, BLOCK_K] blocks)
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, logits_ptr,
     # sizes
     N, V, D,
     # strides
-    stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_e_n,
+    stride_h_n, stride_h_d, stride_w_v, stride_w_d, stride_e_n, stride_l_n,
     # loss options
     logit_scale, softcap,
     # meta-parameters
@@ -49,11 +59,12 @@ def lce_store_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
-    HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_V: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_V: tl.constexpr, WRITE_LOGITS: tl.constexpr,
 ):
     """The store strategy's forward, a persistent kernel: NUM_PROGRAMS programs (one per SM) walk
     the (row block, vocabulary tile) grid in grouped order; each tile's partials m, s, zt[, sz][, st]
-    go to part[P, num_tiles, N] and its E = exp(z − m_tile) (times sech² under a softcap) to e[N, V].
+    go to part[P, num_tiles, N] and its E = exp(z − m_tile) (times sech² under a softcap) to e[N, V];
+    with WRITE_LOGITS the raw tile (acc + bias) to logits[N, V] in its dtype (escape.py).
     With FLATTEN (TMA operands only) the tile loop and the D loop are one software-pipelined loop,
     so the next tile's operand copies are in flight while this tile's epilogue (exp, reductions, the
     E store) runs. H200 (bf16, one 4096-row chunk, medians of 5 interleaved rounds): 128x256 tiles
@@ -80,6 +91,9 @@ def lce_store_fwd_kernel(
         offs_v = off_v + tl.arange(0, BLOCK_N)
         col_mask = offs_v < V
         tgt = tl.load(target_ptr + rows)
+        if WRITE_LOGITS:
+            store_raw_logits(logits_ptr, acc, bias_ptr, rows, offs_v, row_mask, col_mask, stride_l_n, HAS_BIAS,
+                             EVEN_M and EVEN_V)
         z, sech2 = apply_epilogue(acc, bias_ptr, offs_v, col_mask, logit_scale, softcap, HAS_BIAS, HAS_SOFTCAP,
                                   HAS_SCALE)
         hit = tl.arange(0, BLOCK_N)[None, :] == target_slot(tgt, off_v, V, tgt == tgt, BLOCK_N)[:, None]
