@@ -7,7 +7,9 @@ module must not also ``register_backend`` that name (Dynamo would assert "duplic
 our own keys, prefixed ``xent.``:
 
 * ``xent.allow_escaping_logits`` (bool, default False): fuse the loss even when the logits have
-  other users (e.g. are returned); they are then still computed for those users.
+  other users in the graph (e.g. an auxiliary loss on them); they are then still computed for
+  those users. Logits the compiled function only returns need no option: the op writes them and
+  their gradient is attached outside the graph (escape.py).
 * ``xent.inner`` (``"inductor"`` default | ``"aot_eager"``): what compiles the rewritten graph.
   ``aot_eager`` runs AOTAutograd with Inductor's decompositions and partitioner but no code
   generation: fast CPU tests.
@@ -36,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import compat, patterns, strategy
+from . import compat, escape, patterns, strategy
 from .inductor_pass import CACHE_SALT, DONATED_SCALE
 
 XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool, "strategy": str,
@@ -95,10 +97,10 @@ def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Op
     patches = config_patches(mode, theirs)  # validates Inductor's keys whichever inner compiler runs
     if ours["enable"]:
         patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"], strategy=ours["strategy"],
-                     store_budget=ours["store_budget"])
+                     store_budget=ours["store_budget"], can_return=True)
     if ours["inner"] == "aot_eager":
-        return compat.aot_eager(gm, example_inputs)
-    return compat.compile_fx(gm, example_inputs, patches)
+        return escape.wrap(gm, compat.aot_eager(gm, example_inputs))
+    return escape.wrap(gm, compat.compile_fx(gm, example_inputs, patches))
 
 
 inductor_xent.backend_ctx_ctor = compat.DynamoScope  # entered around every compiled call

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import compat, patterns
+from . import compat, escape, patterns
 from .patterns import ESCAPE_HINT, Site
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
@@ -112,8 +112,8 @@ def explain(fn, *args, **kwargs) -> Report:
 
     def recording_backend(gm, example_inputs):
         report.graph_count += 1
-        report.sites.extend(patterns.run(gm))
-        return gm.forward
+        report.sites.extend(patterns.run(gm, can_return=True))
+        return escape.wrap(gm, gm.forward)
 
     from torch._dynamo.utils import counters
 

@@ -1,7 +1,15 @@
 """Our pass as Inductor custom graph passes, and the cache guard.
 
-* ``XentPass``: the rewrite as a ``CustomGraphPass`` for ``torch._inductor.config.pre_grad_custom_pass``
-  (``install()`` / ``uninstall()``, for users who keep ``backend="inductor"``).
+* ``XentPass``: the rewrite with its options (``install()`` / ``uninstall()``, for users who keep
+  ``backend="inductor"``), also usable as a ``CustomGraphPass`` for
+  ``torch._inductor.config.pre_grad_custom_pass``.
+* ``InstalledCompileFx``: what ``install()`` puts in place of ``torch._inductor.compile_fx.compile_fx``
+  (which ``torch.compile(backend="inductor")`` looks up at each compile): our pass on the Dynamo
+  graph, then Inductor's own ``compile_fx``, its result through ``escape.wrap``. A pre-grad pass
+  could do the rewrite but not the wrapping that lets a whole-model ``torch.compile(model)`` (its
+  logits returned) fuse; and on torch 2.13+ Inductor runs pre-grad passes after its AOTAutograd
+  cache lookup, so a warm cache loaded a fused graph without running the pass (counters and logs
+  said 0 fused sites). Running before ``compile_fx`` the pass sees every compile.
 * ``CacheSalt``: a no-op ``CustomGraphPass`` the backend puts in ``joint_custom_pre_pass``. Its
   ``uuid()`` is a hash of every source file of this package, and Inductor puts custom-pass uuids
   into both the FX-graph and the AOTAutograd cache keys: editing our backward (which is not in the
@@ -55,10 +63,13 @@ class XentPass(CustomGraphPass):
         self.store_budget = store_budget
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        self.run(graph.owning_module, can_return=False)  # a pre-grad pass cannot wrap the compiled result
+
+    def run(self, gm: torch.fx.GraphModule, can_return: bool) -> list:
         from . import patterns
 
-        patterns.run(graph.owning_module, allow_escaping_logits=self.allow_escaping_logits, strategy=self.strategy,
-                     store_budget=self.store_budget)
+        return patterns.run(gm, allow_escaping_logits=self.allow_escaping_logits, strategy=self.strategy,
+                            store_budget=self.store_budget, can_return=can_return)
 
     def uuid(self) -> Optional[Any]:
         from . import config
@@ -106,19 +117,40 @@ class DonatedScale(CustomGraphPass):
         return ("inductor_xent.DonatedScale", None if donated is None else tuple(sorted(donated)), source_hash())
 
 
+class InstalledCompileFx:
+    """``torch._inductor.compile_fx.compile_fx`` while ``install()``ed (see the module docstring)."""
+
+    def __init__(self, original: Any, ours: XentPass):
+        self.original, self.ours = original, ours
+        self.__wrapped__ = original
+
+    def __call__(self, model_, example_inputs_, *args, **kwargs):
+        from . import escape, patterns
+
+        # compile_fx calls itself (with config patches); the backend ran the pass already
+        if not isinstance(model_, torch.fx.GraphModule) or model_.meta.get(patterns.DONE):
+            return self.original(model_, example_inputs_, *args, **kwargs)
+        self.ours.run(model_, can_return=True)
+        return escape.wrap(model_, self.original(model_, example_inputs_, *args, **kwargs))
+
+
 CACHE_SALT = CacheSalt()
 DONATED_SCALE = DonatedScale()
-_installed: list = []  # [(XentPass, CacheSalt)] while installed
+_installed: list = []  # [InstalledCompileFx] while installed
 
 
 def install(*, allow_escaping_logits: bool = False, strategy: Optional[str] = None, store_budget=None) -> None:
     """Run our pass for every ``torch.compile(..., backend="inductor")`` from now on
-    (``strategy`` / ``store_budget``: as the backend's ``xent.*`` options).
+    (``strategy`` / ``store_budget``: as the backend's ``xent.*`` options), whole-model compiles
+    that return the logits included (escape.py), e.g. HF ``Trainer(torch_compile=True)``.
 
-    Appends it to ``torch._inductor.config.pre_grad_custom_pass`` (after any pass of the user's,
-    which keeps running) and adds the cache salt to ``joint_custom_pre_pass``. Idempotent; undo with
+    Puts ``InstalledCompileFx`` in place of ``torch._inductor.compile_fx.compile_fx`` (our pass runs
+    on the Dynamo graph before Inductor's own passes, the user's pre-grad passes included, which
+    keep running), adds the cache salt to ``joint_custom_pre_pass`` and the in-place scaling of
+    store's donated gradients to ``post_grad_custom_post_pass``. Idempotent; undo with
     ``uninstall()``. Already compiled functions are not recompiled.
     """
+    from torch._inductor import compile_fx as cfx
     from torch._inductor import config as ic
 
     from . import strategy as _strategy
@@ -128,20 +160,22 @@ def install(*, allow_escaping_logits: bool = False, strategy: Optional[str] = No
     if store_budget is not None:
         _strategy.parse_budget(store_budget)
     uninstall()
-    ours = XentPass(allow_escaping_logits, strategy, store_budget)
-    ic.pre_grad_custom_pass = compat.add_pass(ic.pre_grad_custom_pass, ours)
+    wrapper = InstalledCompileFx(cfx.compile_fx, XentPass(allow_escaping_logits, strategy, store_budget))
+    cfx.compile_fx = wrapper
     ic.joint_custom_pre_pass = compat.add_pass(ic.joint_custom_pre_pass, CACHE_SALT)
     ic.post_grad_custom_post_pass = compat.add_pass(ic.post_grad_custom_post_pass, DONATED_SCALE)
-    _installed.append(ours)
-    log.info("inductor_xent: installed as Inductor's pre-grad custom pass")
+    _installed.append(wrapper)
+    log.info("inductor_xent: installed in front of Inductor's compile_fx")
 
 
 def uninstall() -> None:
     """Remove what ``install()`` added; the user's own passes stay as they were."""
+    from torch._inductor import compile_fx as cfx
     from torch._inductor import config as ic
 
     while _installed:
-        ours = _installed.pop()
-        ic.pre_grad_custom_pass = compat.remove_pass(ic.pre_grad_custom_pass, ours)
+        wrapper = _installed.pop()
+        if cfx.compile_fx is wrapper:
+            cfx.compile_fx = wrapper.original
         ic.joint_custom_pre_pass = compat.remove_pass(ic.joint_custom_pre_pass, CACHE_SALT)
         ic.post_grad_custom_post_pass = compat.remove_pass(ic.post_grad_custom_post_pass, DONATED_SCALE)

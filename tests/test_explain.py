@@ -78,11 +78,14 @@ def test_no_site():
 
 
 def test_escaping_logits_hint():
+    """Returned logits that the op cannot write (the loss reads a slice of their rows): declined,
+    saying why and what to compile instead. (Returned logits it can write fuse: test_escape.py.)"""
     def fn(x, W, Wdv, b, y, yv, n):
         logits = F.linear(x, W)
-        return {"loss": F.cross_entropy(logits.view(-1, V), y.view(-1)), "logits": logits}
+        return {"loss": F.cross_entropy(logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1)), "logits": logits}
     report = inductor_xent.explain(fn, **make_inputs())
-    assert report.logits_escape
+    assert report.logits_escape and report.fused_count == 0
+    assert "slice or permutation" in report.sites[0].reason
     assert "compile a function that returns only the loss" in str(report)
 
 
@@ -99,7 +102,9 @@ def test_dump_graphs_logs_before_and_after(monkeypatch, caplog):
 
 class _BreakingModel(torch.nn.Module):
     """A forward that graph-breaks before its lm_head (an ``.item()``, as in some MoE routers) and
-    returns the logits with the loss, like a transformers ``CausalLMOutput``."""
+    returns the logits with the loss, like a transformers ``CausalLMOutput``; the loss of the
+    shifted logits (``logits[:, :-1]``, older transformers), so that a graph returning the logits
+    cannot have the op write them (escape.py) and declines."""
 
     def __init__(self, d):
         super().__init__()
@@ -111,7 +116,7 @@ class _BreakingModel(torch.nn.Module):
         if h.detach().abs().max().item() >= 0:  # graph break
             h = torch.relu(h)
         logits = self.lm_head(h)
-        return {"loss": F.cross_entropy(logits.view(-1, V), y.view(-1)), "logits": logits}
+        return {"loss": F.cross_entropy(logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1)), "logits": logits}
 
 
 def test_break_inside_forward_escape_names_nested_graph_breaks(untuned_dynamo, monkeypatch):

@@ -156,15 +156,15 @@ def test_zoo_dynamic_sequence_no_extra_recompiles():
     assert frames[0] == frames[1]
 
 
-def test_whole_model_compile_logits_escape():
-    """torch.compile(model) returns the logits: explain says so and what to compile instead."""
+def test_whole_model_compile_writes_the_returned_logits():
+    """torch.compile(model) returns the logits: the site fuses and the op writes them; a loss-only
+    region fuses without returning any."""
     model, ids, labels = build("llama")
     report = inductor_xent.explain(model, input_ids=ids, labels=labels)
-    assert report.fused_count == 0 and report.logits_escape
-    text = str(report)
-    assert "graph output" in text and "model(**batch).loss" in text
+    assert report.fused_count == 1 and report.sites[0].logits_returned, str(report)
+    assert "returned logits written by the op" in str(report)
     good = inductor_xent.explain(loss_fn(model), ids, labels)
-    assert good.fused_count == 1 and not good.logits_escape
+    assert good.fused_count == 1 and not good.logits_escape and not good.sites[0].logits_returned
 
 
 def test_zoo_num_items_in_batch():

@@ -229,31 +229,31 @@ def test_inplace_update_through_a_view_declines():
     assert "Tensor.mul_ writes the hidden states" in report.sites[0].reason, report.sites[0].reason
 
 
-def test_returned_logits_decline_then_fuse_when_allowed():
+def test_returned_logits_are_written_by_the_op():
+    """Logits the compiled function returns next to the loss fuse by default: the op writes them (no
+    linear is left in the graph), with or without allow_escaping_logits (which is for other users in
+    the graph: tests/test_escape.py); values and gradients as eager when the caller uses them."""
     def fn(x, W, Wdv, b, y, yv, n):
         logits = F.linear(x, W)
         return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
     ins = make_inputs()
-    rec = Recorder()
-    torch.compile(fn, backend=rec)(**ins)
-    assert fused_ops(rec.after[0]) == 0
     site = inductor_xent.explain(fn, **ins).sites[0]
-    assert site.logits_escape and "graph output" in site.reason
-
-    torch._dynamo.reset()
-    counters.clear()
-    rec = Recorder(**{"xent.allow_escaping_logits": True})
-    eager, compiled = [], []
-    for f, out in ((fn, eager), (torch.compile(fn, backend=rec), compiled)):
-        L = leaves(ins)
-        loss, logits = f(**L)
-        (loss + logits.sum() * 1e-3).backward()
-        out += [loss.detach(), logits.detach(), L["x"].grad, L["W"].grad]
-    for a, c in zip(eager, compiled):
-        torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
-    assert fused_ops(rec.after[0]) == 1
-    assert torch._C._nn.linear in rec.after[0], "the logits are still computed for the caller"
-    assert counters["inductor_xent"]["sites_fused"] == 1
+    assert site.fused and site.logits_returned and "returned logits written by the op" in site.reason, site.reason
+    for options in ({}, {"xent.allow_escaping_logits": True}):
+        torch._dynamo.reset()
+        counters.clear()
+        rec = Recorder(**options)
+        eager, compiled = [], []
+        for f, out in ((fn, eager), (torch.compile(fn, backend=rec), compiled)):
+            L = leaves(ins)
+            loss, logits = f(**L)
+            (loss + logits.sum() * 1e-3).backward()
+            out += [loss.detach(), logits.detach(), L["x"].grad, L["W"].grad]
+        for a, c in zip(eager, compiled):
+            torch.testing.assert_close(c, a, rtol=1e-5, atol=1e-5)
+        assert fused_ops(rec.after[0]) == 1
+        assert torch._C._nn.linear not in rec.after[0], "the op writes the returned logits"
+        assert counters["inductor_xent"]["sites_fused"] == 1
 
 
 def test_not_a_site():

@@ -18,7 +18,7 @@ from typing import Optional, Union
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from .. import config
+from .. import config, escape
 from . import (
     _logits,
     _plan,
@@ -45,21 +45,31 @@ IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gathe
 HEAD_DEPTH = 6
 
 
+DONE = "inductor_xent_pass_done"  # gm.meta key set by run: the graph has been through the pass
+
+
 def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optional[str] = None,
-        store_budget=None) -> list[Site]:
+        store_budget=None, can_return: bool = False) -> list[Site]:
     """Rewrite every supported site of ``gm`` in place; return one ``Site`` per candidate.
-    ``strategy`` / ``store_budget`` override ``config``'s (see inductor_xent/strategy.py)."""
+    ``strategy`` / ``store_budget`` override ``config``'s (see inductor_xent/strategy.py).
+    ``can_return``: the caller compiles ``gm`` and applies ``escape.wrap`` to the result, so logits
+    the graph returns can be written by the op (escape.py); the graph may then gain outputs."""
     if config.dump_graphs():
         log.info("inductor_xent: graph before the pass:\n%s", gm.print_readable(print_output=False))
     sites: list[Site] = []
     erased: set = set()
     reported: set = set()  # heads already in another head's site
+    gm.meta[DONE] = True
     candidates = _candidates(gm.graph)
+    output = next(iter(gm.graph.find_nodes(op="output")), None)
+    can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
+    if can_return:
+        gm.meta[escape.META_KEY] = (len(output.args[0]), [])
     for node, idioms in candidates.items():
         if node in erased or node in reported:
             continue
         try:  # analysis is pure: a bug here declines the site instead of failing the user's compile
-            analysed = _analyse(gm, node, idioms, candidates, allow_escaping_logits)
+            analysed = _analyse(gm, node, idioms, candidates, allow_escaping_logits, can_return)
         except Exception as e:  # noqa: BLE001
             log.warning("inductor_xent: internal error analysing %s; site left alone", node.name, exc_info=True)
             analysed = Site("unknown", False, f"internal error in the pass (please report): {e!r}", node.name), None, []
@@ -98,8 +108,8 @@ def _match(node: Node, idioms: list) -> Union[LossSite, Decline, None]:
     return next((f for f in (idiom.match(node) for idiom in idioms) if f is not None), None)
 
 
-def _analyse(gm, node: Node, idioms: list, candidates: dict,
-             allow_escaping: bool) -> Optional[tuple[Site, Union[Plan, Decline], list]]:
+def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: bool,
+             can_return: bool) -> Optional[tuple[Site, Union[Plan, Decline], list]]:
     """(its Site, a Plan or a Decline, the heads it covers) for a candidate site at ``node``; None
     when it is none."""
     found = _match(node, idioms)
@@ -121,7 +131,7 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict,
         pairs = [(found, chain), *_other_heads(found, chain, candidates)]
         heads = [h for h, _ in pairs]
         site.head = "+".join(k for k in HEADS if any(h.head == k for h in heads))
-        outcome = _plan.plan(gm, pairs, allow_escaping)
+        outcome = _plan.plan(gm, pairs, allow_escaping, can_return)
     if isinstance(outcome, Decline):
         site.reason, site.logits_escape, site.logits_input = outcome.reason, outcome.logits_escape, outcome.logits_input
     else:
@@ -149,4 +159,4 @@ def _other_heads(found: LossSite, chain: _logits.Logits, candidates: dict) -> li
     return heads
 
 
-__all__ = ["ESCAPE_HINT", "IDIOMS", "Site", "run"]
+__all__ = ["DONE", "ESCAPE_HINT", "IDIOMS", "Site", "run"]

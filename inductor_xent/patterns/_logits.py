@@ -82,9 +82,14 @@ class Logits:
     # ``nodes`` of the node they produce, op); ``replay`` applies them to the hidden states
     shape_ops: list = field(default_factory=list)
     nodes: list = field(default_factory=list)  # matmul ... logits, in graph order
+    # what each of ``nodes`` does to the logits: (kind, payload) of its step ("matmul" first)
+    kinds: list = field(default_factory=list)
     # nodes[final_from:] hold the final logit values with the rows in their final order, up to casts
     # and reshapes (for the lse mapping and heads of the same logits)
     final_from: int = 0
+    # nodes[raw_at] holds the matmul's output plus the bias (the node of a separate bias add, else
+    # the matmul): the raw logits the op can write (escape.py)
+    raw_at: int = 0
 
     @property
     def sliced(self) -> bool:
@@ -222,7 +227,8 @@ STEPS: dict[Any, Callable[[Node, torch.Tensor], Optional[Step]]] = {
 }
 
 
-def _step(node: Node) -> Optional[Step]:
+def step_of(node: Node) -> Optional[Step]:
+    """(kind, its logits input, payload) of ``node`` as a step between the matmul and a loss, or None."""
     out = tval(node)
     if out is None or out.dim() < 1 or node.op not in ("call_function", "call_method"):
         return None
@@ -337,7 +343,7 @@ def trace(logits: Node) -> Union[Logits, Decline, None]:
     for _ in range(MAX_STEPS):
         if is_matmul(node):
             break
-        step = _step(node) if isinstance(node, Node) else None
+        step = step_of(node) if isinstance(node, Node) else None
         if step is None:
             return _stopped(node, steps)
         steps.append((*step, node))
@@ -401,10 +407,11 @@ def _is_linear_module(node: Node) -> bool:
 def _fold(root: Logits, steps: list) -> Optional[str]:
     """Replay ``steps`` forward from the matmul, folding them into ``root`` (bias, logit_scale,
     softcap, weight_scale, shape_ops); a reason when they do not fold."""
-    root.nodes = [root.matmul]
+    root.nodes, root.kinds = [root.matmul], [("matmul", None)]
     scale, post, tanh_seen = 1.0, None, False
     for kind, _src, payload, n in reversed(steps):
         root.nodes.append(n)
+        root.kinds.append((kind, payload))
         if kind == "scale":
             if tanh_seen:
                 post *= payload
@@ -429,7 +436,7 @@ def _fold(root: Logits, steps: list) -> Optional[str]:
                 return "a second bias added to a linear that already has one"
             if scale != 1.0 or tanh_seen or root.weight_scale is not None:
                 return "a bias added after the logits were scaled or softcapped"
-            root.bias = payload
+            root.bias, root.raw_at = payload, len(root.nodes) - 1
         elif kind in ("slice", "view"):
             root.shape_ops.append((len(root.nodes) - 1, payload))
         # from here on the values are final, and rows keep their order (a head or logsumexp reading

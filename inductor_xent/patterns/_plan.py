@@ -16,7 +16,7 @@ gradients flow back through the casts to the fp32 parameters.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import torch
@@ -37,6 +37,30 @@ MAX_HOISTED = 32
 
 
 @dataclass
+class Returned:
+    """A tensor the graph returns that follows from the raw logits the op writes (escape.py): the
+    walk's nodes after ``raw_at`` up to ``walk.nodes[at]``, then ``tail`` (nodes after the walk that
+    only lead to the output, e.g. accelerate's ``convert_outputs_to_fp32`` upcast), each a cast, a
+    view, a Python-number scale or a tanh."""
+
+    walk: Logits
+    at: int
+    tail: list  # [(node, kind, payload)], each the only user of the one before
+
+    @property
+    def node(self) -> Node:
+        """The node the output reads."""
+        return self.tail[-1][0] if self.tail else self.walk.nodes[self.at]
+
+    @property
+    def replayed(self) -> list:
+        """[(node, kind, payload)] from the raw logits to ``node``, in order."""
+        w = self.walk
+        return [(n, k, p) for n, (k, p) in zip(w.nodes[w.raw_at + 1: self.at + 1], w.kinds[w.raw_at + 1: self.at + 1])
+                ] + self.tail
+
+
+@dataclass
 class Plan:
     """How to rewrite the heads over one lm_head's logits: one op, placed right before ``anchor``
     (the first node it replaces), after ``hoist``."""
@@ -49,6 +73,7 @@ class Plan:
     escapes: list  # other users of the logits: they keep them (allow_escaping_logits)
     owned: list  # what the rewrite erases once dead: the heads, their walks, the rows of a stacked logsumexp
     dtype: torch.dtype  # what the op computes from: the matmul's dtype (autocast's, when it casts)
+    returned: list = field(default_factory=list)  # [Returned]: logits the op writes for the graph's output
 
     @property
     def autocast(self) -> bool:
@@ -81,9 +106,10 @@ class Plan:
         return any(u.op == "output" for u in self.escapes)
 
 
-def plan(gm, heads: list, allow_escaping: bool) -> Union[Plan, Decline]:
+def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False) -> Union[Plan, Decline]:
     """The rewrite of ``heads`` ((LossSite, Logits) pairs over one matmul, the driver's first), or
-    why there is none."""
+    why there is none. ``can_return``: the caller hands the returned logits to escape.wrap, so
+    logits that are only returned (``torch.compile(model)``) are written by the op instead."""
     site = heads[0][0]
     chain = next((c for h, c in heads if h.head != "argmax"), heads[0][1])
     reason = _heads_reason(heads, chain) or _inputs_reason(heads, chain)
@@ -102,6 +128,13 @@ def plan(gm, heads: list, allow_escaping: bool) -> Union[Plan, Decline]:
     hoist = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
     # before the escape check: with allow_escaping_logits a write would still be fused wrongly
     reason = _mutation.written_between(gm, order, [h for h, _ in heads], chain, list(read), lse_users, hoist or ())
+    returned = []
+    if not reason and escapes and can_return:
+        returned, why_not = _returnable(heads, chain, read, escapes)
+        escapes = [] if returned else escapes
+        owned.update(dict.fromkeys(n for r in returned for n, _, _ in r.tail))  # dead once the output reads the op
+        if why_not and not allow_escaping and any(u.op == "output" for u in escapes):
+            return Decline(None, site.loss, f"{ESCAPE_REASON}, and {why_not}", logits_escape=True)
     if not reason and escapes and not allow_escaping:
         if any(u.op == "output" for u in escapes):
             return Decline(None, site.loss, ESCAPE_REASON, logits_escape=True)
@@ -113,7 +146,60 @@ def plan(gm, heads: list, allow_escaping: bool) -> Union[Plan, Decline]:
     reason = reason or _grad_mode_between(gm, order, chain, last)
     if reason:
         return Decline(None, site.loss, reason)
-    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain))
+    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned)
+
+
+# what may sit between the raw logits the op writes and a returned tensor: the graph replays these
+# nodes on the op's logits, and escape.EscapedLogits their math in its backward
+RETURNABLE_STEPS = ("cast", "view", "noop", "scale", "tanh")
+
+
+def _returnable(heads: list, chain: Logits, read: dict, escapes: list) -> tuple[list, Optional[str]]:
+    """([Returned], None) when the op can write the logits the graph returns (escape.py), else
+    ([], why not). Every other user of the logits must lead only to the graph's output, through
+    casts, views, Python-number scales and a softcap's tanh from the raw logits (matmul + bias),
+    rows in the matmul's order."""
+    if any(h.head in ("entropy", "argmax") for h, _ in heads):
+        return [], "the log-probs op (entropy, argmax) does not write the logits"
+    if _dtensor.involved(chain):
+        return [], "the vocabulary-parallel op does not write the logits"
+    if chain.weight_scale is not None:
+        return [], "a tensor scale folded into the weight changes the op's raw logits"
+    if any(op[0] in ("slice", "permute") for _, op in chain.shape_ops):
+        return [], "the loss reads a slice or permutation of the rows of the returned logits"
+    returned = []
+    for n in read:
+        for u in (u for u in n.users if u in escapes):
+            tail = _tail(n, u)
+            if tail is None:
+                return [], f"the logits have other users in the graph than its output ({u.name})"
+            walk = next((c for _, c in heads if n in c.nodes), None)
+            if walk is None or walk.nodes.index(n) < walk.raw_at:
+                return [], f"the returned {n.name} is not the lm_head's output (with its bias) or computed from it"
+            r = Returned(walk, walk.nodes.index(n), tail)
+            if any(not _replayable(kind, payload) for _, kind, payload in r.replayed):
+                return [], f"the returned {r.node.name} is computed from the lm_head's output by more than casts, " \
+                           "views and scales"
+            returned.append(r)
+    return returned, None
+
+
+def _replayable(kind: str, payload) -> bool:
+    return kind in RETURNABLE_STEPS and (kind != "view" or payload[0] in ("reshape", "flatten"))
+
+
+def _tail(n: Node, u: Node) -> Optional[list]:
+    """[(node, kind, payload)] from ``u`` (a user of ``n``) to the node the graph's output reads,
+    when each is a step of the logits (``_logits.step_of``) whose only user is the next or the output;
+    [] when ``u`` is the output; None otherwise."""
+    tail, src = [], n
+    while u.op != "output":
+        step = _logits.step_of(u)
+        if step is None or step[1] is not src or len(u.users) != 1:
+            return None
+        tail.append((u, step[0], step[2]))
+        src, u = u, next(iter(u.users))
+    return tail
 
 
 def _with_target(heads: list) -> Optional[LossSite]:

@@ -39,6 +39,7 @@ class Site:
     bytes_avoided: int = 0  # [N, V]-sized buffers the rewritten forward no longer materialises
     logits_escape: bool = False  # the logits are a graph output
     logits_input: bool = False  # the logits are a graph input (a graph break before the loss)
+    logits_returned: bool = False  # the logits are also returned: the op writes them (escape.py)
     strategy: str = ""  # how a fused site computes its gradients (strategy.Plan.describe())
     extra_bytes: Optional[int] = None  # the strategy's estimated extra memory (at the example sizes)
 
@@ -70,11 +71,14 @@ def fused(site: Site, plan: Plan, how: strategy.Plan, bytes_avoided: int) -> Non
         chain.weight_scale is not None and "tensor scale folded into the weight",
         chain.sliced and "slice pushed onto the hidden states",
         not chain.weight_is_vd and "[D, V] weight",
+        plan.autocast and f"autocast: operands cast to {str(plan.dtype).replace('torch.', '')}",
         _dtensor.describe(chain),  # vocabulary parallel
         plan.lse_users and f"{len(plan.lse_users)} logsumexp mapped onto the op's lse",
         plan.escapes and "logits still materialised for their other users (allow_escaping_logits)",
+        plan.returned and "the returned logits written by the op (no second GEMM; their gradient only if used)",
         "strategy " + how.describe(),
     )
     site.fused, site.reason, site.bytes_avoided = True, "fused: " + ", ".join(p for p in parts if p), bytes_avoided
+    site.logits_returned = bool(plan.returned)
     site.strategy = how.describe()
     site.extra_bytes = how.extra_bytes if how.strategy == "store" else None

@@ -11,7 +11,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from .. import ops, strategy
+from .. import escape, ops, strategy
 from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import Plan
@@ -48,10 +48,12 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
     target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     folded: list = []  # negations of a head that the op's output replaces instead
+    write = (True,) if plan.returned else ()  # the op writes the logits the graph returns (escape.py)
     if how.strategy == "store":  # the reduced loss; its gradients are computed in the same op
         out = e.call(ops.STORE, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
-                     0.0, site.reduction, 0, how.budget, *chain.needs)
+                     0.0, site.reduction, 0, how.budget, *chain.needs, *write)
         site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
+        _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
     if plan.log_probs_op:
         kinds = {h.head for h, _ in plan.heads}
@@ -71,7 +73,7 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
         lse = item(3) if plan.lse_users else None
     else:
         out = e.call(ops.FORWARD, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
-                     0.0)
+                     0.0, *write)
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
 
@@ -97,7 +99,50 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
     for u, (c, position, keepdim) in plan.lse_users.items():
         value = _rows_like(e, lse, c, position, keepdim, hidden, all_ops, d)
         u.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, u), u, chain))
+    if plan.returned:
+        _return_logits(gm, e, plan, out, 3)
     return _erase_dead(gm, plan, erased, folded)
+
+
+def _return_logits(gm, e: Emitter, plan: Plan, out: Node, index: int) -> None:
+    """The logits the graph returns, from the op's ``index``-th output (the raw logits, (N, V)):
+    shaped as the matmul's output, the user's nodes between the raw logits and each returned tensor
+    replayed on them (right before the graph's output, where all they read exists), the returned
+    tensor replaced by the replay; the lm_head's operands returned too, and an ``escape.Escape``
+    recorded for ``escape.wrap``."""
+    if not plan.returned:
+        return
+    graph, chain = gm.graph, plan.logits
+    output = next(iter(graph.find_nodes(op="output")))
+    lead = e.getitem(e.method("size", chain.hidden), slice(None, -1))
+    raw = e.method("unflatten", e.getitem(out, index), 0, lead)
+    operands = tuple(None if n is None else _operand(gm, output, n) for n in (chain.hidden, chain.weight, chain.bias))
+    records = gm.meta.setdefault(escape.META_KEY, (None, []))[1]
+    for r in plan.returned:
+        value, steps = raw, []
+        for m, kind, payload in r.replayed:  # each reads the one before (its step's logits input)
+            src = _logits.step_of(m)[1]
+            with graph.inserting_before(output):
+                value = graph.node_copy(m, lambda a, src=src, prev=value: prev if a is src else a)
+            if kind in ("cast", "scale", "tanh"):
+                steps.append((kind, tval(m).dtype if kind == "cast" else payload))
+        output.replace_input_with(r.node, value)
+        for i, o in enumerate(output.args[0]):
+            if o is value:
+                records.append(escape.Escape(i, *operands, plan.dtype, chain.weight_is_vd, tuple(steps)))
+
+
+def _operand(gm, output: Node, node: Node) -> tuple[str, int]:
+    """Where ``escape.wrap`` finds ``node`` at run time: the call's argument (a placeholder), or an
+    output appended to the graph's."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if node in placeholders:
+        return ("arg", placeholders.index(node))
+    outs = list(output.args[0])
+    if node not in outs:
+        outs.append(node)
+        output.args = (type(output.args[0])(outs),)
+    return ("out", outs.index(node))
 
 
 def _rows_like(e: Emitter, value: Node, c: _logits.Logits, position: int, keepdim: bool, hidden: Node,
@@ -137,6 +182,8 @@ def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
     candidates.extend(a for a in chain.matmul.all_input_nodes if a not in keep)
     avoided = 0
     n_rows_v = numel_hint(tval(chain.matmul))
+    # recreated from the op's logits (the raw logits included): not avoided
+    returned = {n for r in plan.returned for n in (*r.walk.nodes[: r.walk.raw_at + 1], *(m for m, _, _ in r.replayed))}
     changed = True
     while changed:
         changed = False
@@ -148,7 +195,7 @@ def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
             if n.op == "call_method" and n.target in _logits.CAST_METHODS:
                 src = tval(arg(n, 0, "input"))
                 is_view = src is not None and t is not None and src.dtype == t.dtype
-            if t is not None and not is_view and n_rows_v and numel_hint(t) == n_rows_v:
+            if t is not None and not is_view and n_rows_v and numel_hint(t) == n_rows_v and n not in returned:
                 avoided += numel_hint(t) * t.element_size()
             gm.graph.erase_node(n)
             erased.add(n)
