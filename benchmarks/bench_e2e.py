@@ -1,18 +1,30 @@
 """End-to-end benchmark: one HF Llama training step compiled with backend="inductor" and with
 backend="inductor_xent" (issue 4's realistic check).
 
-Accounting: the compiled region is ``lambda batch: model(**batch).loss`` (returns only the loss, so
-the logits need not exist); a step = compiled forward + backward + SGD update. Step time: median
+Modes (``--modes``, comma-separated), each inductor against inductor_xent:
+
+* ``loss``: the compiled region is ``lambda batch: model(**batch).loss`` (returns only the loss, so
+  the logits need not exist), parameters in bf16; ours with each strategy too;
+* ``autocast``: the same region under ``torch.autocast(bf16)`` with fp32 parameters (HF
+  ``Trainer(bf16=True)``, accelerate, Lightning ``bf16-mixed``);
+* ``whole``: ``torch.compile(model)``, the whole model (its logits returned), the caller taking
+  ``.loss``, parameters in bf16;
+* ``whole_autocast``: the whole model under autocast with fp32 parameters (``Trainer(torch_compile=True,
+  bf16=True)``).
+
+A step = compiled forward + backward + SGD update. Step time: median
 over ``--steps`` steps after ``--warmup`` steps (the first compiles). Peak memory: CUDA allocator
 peak during a step minus the memory allocated before it (weights, gradients, optimizer state and
 the batch are excluded since they exist before the step starts).
 
     python -m inductor_xent bench e2e --out out/        # GPU: hidden 2048, V=128256, 8 x 2048 tokens
+    python -m inductor_xent bench e2e --modes autocast,whole,whole_autocast
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -34,24 +46,46 @@ VARIANTS = (
     ("inductor_xent:recompute", "inductor_xent", {"xent.strategy": "recompute"}),
     ("inductor_xent:store", "inductor_xent", {"xent.strategy": "store"}),
 )
+# mode: (parameters' dtype, autocast, compile the whole model)
+MODES = {
+    "loss": (torch.bfloat16, False, False),
+    "autocast": (torch.float32, True, False),
+    "whole": (torch.bfloat16, False, True),
+    "whole_autocast": (torch.float32, True, True),
+}
 
 
-def run_backend(variant, base_model, loss_of, shape, device, warmup, steps) -> dict:
+def run_backend(variant, base_model, loss_of, shape, device, warmup, steps, mode="loss") -> dict:
     label, backend, options = variant
-    model = copy.deepcopy(base_model)
+    dtype, autocast, whole = MODES[mode]
+    model = copy.deepcopy(base_model).to(dtype)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda batch: loss_of(model, batch), backend=backend, options=options)
+    if whole:  # the caller takes .loss and drops the returned logits
+        compiled_model = torch.compile(model, backend=backend, options=options)
+        region = lambda batch: compiled_model(**batch).loss  # noqa: E731
+    else:
+        region = torch.compile(lambda batch: loss_of(model, batch), backend=backend, options=options)
+
+    def step(batch):
+        ctx = torch.autocast(device, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
+            return region(batch)
+
+    from torch._dynamo.utils import counters
+
+    counters["inductor_xent"].clear()
     times, peaks, losses = [], [], []
     batch_list = list(demo.batches(shape, device, 2))
-    for i in demo.progress(range(warmup + steps), warmup + steps, f"{label:>23}"):
-        loss, seconds, peak = demo.timed_step(compiled, batch_list[i % 2], opt, device)
+    for i in demo.progress(range(warmup + steps), warmup + steps, f"{mode}: {label:>23}"):
+        loss, seconds, peak = demo.timed_step(step, batch_list[i % 2], opt, device)
         losses.append(loss)
         if i >= warmup:
             times.append(seconds)
             peaks.append(peak)
-    return {"backend": label, "step_ms": 1e3 * statistics.median(times), "peak_mib": max(peaks) / 2**20,
-            "losses": losses}
+    return {"backend": label, "mode": mode, "step_ms": 1e3 * statistics.median(times),
+            "peak_mib": max(peaks) / 2**20, "losses": losses,
+            "sites_fused": counters["inductor_xent"]["sites_fused"] if backend == "inductor_xent" else None}
 
 
 def main(argv=None) -> int:
@@ -61,14 +95,21 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--out", default=None, help="directory for bench_e2e.json")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--modes", default="loss", help=f"comma-separated, of {', '.join(MODES)} (see above)")
     args = p.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        print(f"unknown mode {unknown[0]!r}; choose from {', '.join(MODES)}", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench e2e needs a CUDA GPU (torch sees none); use --device cpu for a small smoke run",
               file=sys.stderr)
         return 2
     shape = dict(demo.CPU_SHAPE if args.device == "cpu" else SHAPE, layers=args.layers)
     base_model, loss_of, name = demo.build_model(shape, args.device, use_hf=True)
-    results = [run_backend(v, base_model, loss_of, shape, args.device, args.warmup, args.steps) for v in VARIANTS]
+    results = [run_backend(v, base_model, loss_of, shape, args.device, args.warmup, args.steps, mode)
+               for mode in modes for v in (VARIANTS if mode == "loss" else VARIANTS[:2])]
     tokens = shape["batch"] * shape["seq"]
     meta = {
         "model": name, "tokens": tokens, "dtype": str(shape["dtype"]), "torch": torch.__version__,
@@ -81,17 +122,20 @@ def main(argv=None) -> int:
         meta["triton"] = triton.__version__
     except ImportError:
         pass
-    ref, ours = results[:2]
     print(f"\n{name}, {tokens} tokens, {meta['gpu']}, torch {meta['torch']}, {meta['date']}")
-    print("| backend | step ms (median) | peak MiB during step | step / inductor | MiB saved |")
-    print("|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['backend']} | {r['step_ms']:.1f} | {r['peak_mib']:.0f} | {r['step_ms'] / ref['step_ms']:.3f}x "
-              f"| {ref['peak_mib'] - r['peak_mib']:.0f} |")
-    print(f"step time ratio {ours['step_ms'] / ref['step_ms']:.3f}; "
-          f"peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB "
-          f"(logits in {shape['dtype']}: {meta['logits_mib']:.0f} MiB); "
-          f"losses step 0: {ref['losses'][0]:.5f} vs {ours['losses'][0]:.5f}")
+    print("| mode | backend | sites fused | step ms (median) | peak MiB during step | step / inductor | MiB saved |")
+    print("|---|---|---|---|---|---|---|")
+    for mode in modes:
+        ref = next(r for r in results if r["mode"] == mode and r["backend"] == "inductor")
+        for r in (r for r in results if r["mode"] == mode):
+            fused = "" if r["sites_fused"] is None else r["sites_fused"]
+            print(f"| {mode} | {r['backend']} | {fused} | {r['step_ms']:.1f} | {r['peak_mib']:.0f} "
+                  f"| {r['step_ms'] / ref['step_ms']:.3f}x | {ref['peak_mib'] - r['peak_mib']:.0f} |")
+        ours = next(r for r in results if r["mode"] == mode and r["backend"] == "inductor_xent")
+        print(f"{mode}: step time ratio {ours['step_ms'] / ref['step_ms']:.3f}; "
+              f"peak saved {ref['peak_mib'] - ours['peak_mib']:.0f} MiB "
+              f"(logits in {shape['dtype']}: {meta['logits_mib']:.0f} MiB); "
+              f"losses step 0: {ref['losses'][0]:.5f} vs {ours['losses'][0]:.5f}")
     if args.out:
         import os
 
