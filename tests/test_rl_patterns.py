@@ -482,7 +482,6 @@ DECLINES = {
     "in_place_temperature": (_in_place_temperature, "Tensor.div_ writes", 1),
     "two_temperatures": (_two_temperatures, "read different logits", 1),
     "entropy_under_no_grad": (_entropy_no_grad, "grad mode changes", 1),
-    "trl_bf16_row_loop": (_trl_bf16_loop, "a row of the logits (logits[i]", 2),
     "label_smoothing_and_entropy": (_smoothing_and_entropy, "label smoothing in a cross-entropy next to", 1),
     "label_smoothing_and_rows": (_smoothing_and_rows, "label smoothing in a cross-entropy next to", 1),
     "two_targets": (_two_targets, "read different targets", 1),

@@ -24,6 +24,7 @@ from . import (
     _plan,
     _report,
     _rewrite,
+    _unloop,
     argmax,
     entropy,
     lm_head_cross_entropy,
@@ -60,6 +61,7 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     erased: set = set()
     reported: set = set()  # heads already in another head's site
     gm.meta[DONE] = True
+    _fold_loops(gm, allow_escaping_logits, can_return)
     candidates = _candidates(gm.graph)
     output = next(iter(gm.graph.find_nodes(op="output")), None)
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
@@ -91,6 +93,47 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     if config.dump_graphs():
         log.info("inductor_xent: graph after the pass:\n%s", gm.print_readable(print_output=False))
     return sites
+
+
+def _fold_loops(gm: GraphModule, allow_escaping: bool, can_return: bool) -> None:
+    """Fold the Python loops over rows of lm_head logits (``_unloop``) when that makes a site fuse:
+    tried on a copy of the graph first, so that a loop the pass would decline anyway keeps the
+    user's bounded memory."""
+    def over_logits(loop) -> bool:
+        bases = {b if loop.rows else b.args[0] for p in loop.pieces for b in p.values()}
+        return any(isinstance(_logits.trace(b), _logits.Logits) for b in bases)
+
+    loops = [lp for lp in _unloop.find(gm.graph) if over_logits(lp)]
+    if not loops:
+        return
+    trial = GraphModule(gm, _copy_graph(gm.graph))
+    trial.meta.update(gm.meta)
+    for loop in _unloop.find(trial.graph):
+        if over_logits(loop):
+            _unloop.fold(trial.graph, loop)
+    candidates = _candidates(trial.graph)
+    folded_fuses = False
+    for node, idioms in candidates.items():
+        try:
+            analysed = _analyse(trial, node, idioms, candidates, allow_escaping, can_return)
+        except Exception:  # noqa: BLE001 - as in run: the loops stay as they are
+            log.debug("inductor_xent: analysing the folded loops failed", exc_info=True)
+            return
+        if analysed is not None and isinstance(analysed[1], Plan) and _report.unlooped(analysed[1]):
+            folded_fuses = True
+    if folded_fuses:
+        for loop in loops:
+            _unloop.fold(gm.graph, loop)
+        log.info("inductor_xent: folded %d Python loop(s) over the rows of the logits", len(loops))
+
+
+def _copy_graph(graph):
+    from torch.fx import Graph
+
+    new = Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
 
 
 def _candidates(graph) -> dict[Node, list]:

@@ -7,8 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from torch.fx import Node
+
 from .. import strategy
-from . import _dtensor
+from . import _dtensor, _unloop
 from ._fx import hint, tval
 from ._logits import Logits
 from ._plan import Plan
@@ -71,6 +73,7 @@ def fused(site: Site, plan: Plan, how: strategy.Plan, bytes_avoided: int) -> Non
         chain.weight_scale is not None and "tensor scale folded into the weight",
         chain.sliced and "slice pushed onto the hidden states",
         not chain.weight_is_vd and "[D, V] weight",
+        unlooped(plan) and f"a Python loop over {unlooped(plan)} folded into one op",
         plan.autocast and f"autocast: operands cast to {str(plan.dtype).replace('torch.', '')}",
         _dtensor.describe(chain),  # vocabulary parallel
         plan.lse_users and f"{len(plan.lse_users)} logsumexp mapped onto the op's lse",
@@ -82,3 +85,12 @@ def fused(site: Site, plan: Plan, how: strategy.Plan, bytes_avoided: int) -> Non
     site.logits_returned = bool(plan.returned)
     site.strategy = how.describe()
     site.extra_bytes = how.extra_bytes if how.strategy == "store" else None
+
+
+def unlooped(plan: Plan) -> Optional[str]:
+    """What ``_unloop.fold`` folded into the plan's heads (e.g. "row chunks (split) joined by
+    torch.cat"), if it did."""
+    nodes = [*plan.logits.nodes]
+    for h, c in plan.heads:
+        nodes += [h.loss, *h.consumed, *h.needs_lse_of, *c.nodes]
+    return next((_unloop.describe(n) for n in nodes if isinstance(n, Node) and _unloop.describe(n)), None)
