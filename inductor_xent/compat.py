@@ -189,6 +189,13 @@ def dtensor_method(node: torch.fx.Node) -> Optional[tuple[str, tuple, dict]]:
     return name[len("prim_"):], tuple(cells["args_as_value"]), dict(cells["kwargs_as_value"])
 
 
+def dynamo_frame(gm: Any) -> Optional[str]:
+    """The name of the Python function Dynamo traced into ``gm`` (``torch_dynamo_resume_in_<fn>_at_<line>``
+    for the code after a graph break), from the reason Dynamo records on the graph; None when unknown."""
+    stack = getattr(getattr(gm, "compile_subgraph_reason", None), "user_stack", None)
+    return getattr(stack[-1], "name", None) if stack else None
+
+
 def transformers_warning_once() -> Optional[Callable]:
     """transformers' ``warning_once`` (a ``functools.lru_cache`` object that transformers sets as
     ``logging.Logger.warning_once``), or None when transformers is not imported; never imports it."""

@@ -423,3 +423,40 @@ def assert_parity(fn, inputs, backend, requires_grad=True, what=""):
         assert_within_torch_error(gc[k], ge[k], g64[k], what=f"{what} grad {k}")
 
 
+# ---------------------------------------------------------------------------------------------
+# autocast: references and runs (test_autocast.py, test_spellings.py)
+# ---------------------------------------------------------------------------------------------
+# what autocast rounds before the matmul (a linear's bias too; those spellings pass ``b`` to F.linear)
+MATMUL_OPERANDS = ("x", "W", "Wdv")
+
+
+def autocast_exact(fn, inputs: dict, rounded_to=None, names=MATMUL_OPERANDS):
+    """float64 eager without autocast: the loss and its gradients w.r.t. the float inputs. With
+    ``rounded_to``, the inputs in ``names`` are first rounded to that dtype (straight through: the
+    gradient is the identity), so the reference computes from exactly what autocast hands the matmul."""
+    leaf = {k: v.detach().double().requires_grad_() for k, v in inputs.items() if v.is_floating_point()}
+    ins = dict(inputs, **leaf)
+    if rounded_to is not None:
+        ins.update({k: leaf[k] + (inputs[k].to(rounded_to).double() - leaf[k]).detach() for k in names})
+    loss = fn(**ins)
+    grads = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
+    return loss.detach(), {k: g for k, g in zip(leaf, grads) if g is not None}
+
+
+def autocast_representable(inputs: dict, dtype: torch.dtype) -> dict:
+    """``inputs`` with every float tensor rounded to ``dtype`` and back to its own dtype: whatever
+    autocast casts, it casts without rounding."""
+    return {k: v.to(dtype).to(v.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+
+
+def autocast_loss_and_grads(fn, ins: dict, *, autocast=None, backend=None):
+    """fn's loss and its gradients w.r.t. the float leaves of ``ins`` (the forward under
+    ``torch.autocast(<their device>, autocast)`` when given, the backward outside it, as training
+    loops run)."""
+    leaf = {k: v for k, v in ins.items() if v.is_floating_point() and v.requires_grad}
+    f = torch.compile(fn, backend=backend) if backend else fn
+    device = next(iter(leaf.values())).device.type
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        loss = f(**ins)
+    grads = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
+    return loss.detach(), {k: g for k, g in zip(leaf, grads) if g is not None}

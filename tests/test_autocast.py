@@ -4,11 +4,11 @@ reads ``linear(h, W)`` of fp32 tensors whose example value is bf16); the pass ca
 operands to that dtype, as autocast would, and the loss is computed in fp32 as autocast's fp32 list
 does for ``cross_entropy``.
 
-The numbers: the inputs hold values that autocast's dtype represents exactly (``_representable``),
+The numbers: the inputs hold values that autocast's dtype represents exactly (``autocast_representable``),
 so float64 eager on them is what autocast computes with exact arithmetic, and the loss and every
 gradient must be within a multiple of eager autocast's own error from it (the project's rule). On
 inputs that are not representable, float64 on the operands rounded as autocast rounds them
-(``_exact(..., rounded_to=)``) is far closer to the op (fp32 logits) than to eager autocast (bf16
+(``autocast_exact(..., rounded_to=)``) is far closer to the op (fp32 logits) than to eager autocast (bf16
 logits): an op that skipped autocast's casts would miss that bound.
 """
 
@@ -23,10 +23,14 @@ import inductor_xent
 from inductor_xent import ops
 
 from .helpers import (
+    MATMUL_OPERANDS,
     SPELLINGS,
     Recorder,
     V,
     assert_within_torch_error,
+    autocast_exact,
+    autocast_loss_and_grads,
+    autocast_representable,
     fused_ops,
     leaves,
     make_inputs,
@@ -38,51 +42,15 @@ pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 # every spelling fuses under autocast except a bias added after the matmul: autocast does not cast
 # the add, so the logits are fp32 from a bf16 matmul plus an fp32 bias (declined: "mixed dtypes")
 FUSED = sorted(set(SPELLINGS) - {"bias_add"})
-# what autocast rounds before the matmul (a linear's bias too; those spellings pass ``b`` to F.linear)
-MATMUL_OPERANDS = ("x", "W", "Wdv")
-
-
-def _exact(fn, inputs: dict, rounded_to=None, names=MATMUL_OPERANDS):
-    """float64 eager without autocast: the loss and its gradients w.r.t. the float inputs. With
-    ``rounded_to``, the inputs in ``names`` are first rounded to that dtype (straight through: the
-    gradient is the identity), so the reference computes from exactly what autocast hands the matmul."""
-    leaf = {k: v.detach().double().requires_grad_() for k, v in inputs.items() if v.is_floating_point()}
-    ins = dict(inputs, **leaf)
-    if rounded_to is not None:
-        ins.update({k: leaf[k] + (inputs[k].to(rounded_to).double() - leaf[k]).detach() for k in names})
-    loss = fn(**ins)
-    grads = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
-    return loss.detach(), {k: g for k, g in zip(leaf, grads) if g is not None}
-
-
-def _representable(inputs: dict, dtype: torch.dtype) -> dict:
-    """``inputs`` with every float tensor rounded to ``dtype`` and back to its own dtype: whatever
-    autocast casts, it casts without rounding."""
-    return {k: v.to(dtype).to(v.dtype) if v.is_floating_point() else v for k, v in inputs.items()}
-
-
-def _loss_and_grads(fn, ins: dict, *, autocast=None, backend=None):
-    """fn's loss and its gradients w.r.t. the float leaves of ``ins`` (the forward under
-    ``torch.autocast(<their device>, autocast)`` when given, the backward outside it, as training
-    loops run)."""
-    leaf = {k: v for k, v in ins.items() if v.is_floating_point() and v.requires_grad}
-    f = torch.compile(fn, backend=backend) if backend else fn
-    device = next(iter(leaf.values())).device.type
-    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-        loss = f(**ins)
-    grads = torch.autograd.grad(loss, list(leaf.values()), allow_unused=True)
-    return loss.detach(), {k: g for k, g in zip(leaf, grads) if g is not None}
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("name", FUSED)
 def test_spelling_fuses_under_autocast_within_torch_error(name, dtype):
     fn, pattern = SPELLINGS[name]
-    inputs = _representable(make_inputs(), dtype)
+    inputs = autocast_representable(make_inputs(), dtype)
     rec = Recorder()
-    ours, ours_g = _loss_and_grads(fn, leaves(inputs), autocast=dtype, backend=rec)
-    same, same_g = _loss_and_grads(fn, leaves(inputs), autocast=dtype)
-    exact, exact_g = _exact(fn, inputs)
+    ours, ours_g = autocast_loss_and_grads(fn, leaves(inputs), autocast=dtype, backend=rec)
+    same, same_g = autocast_loss_and_grads(fn, leaves(inputs), autocast=dtype)
+    exact, exact_g = autocast_exact(fn, inputs)
     assert fused_ops(rec.after[0]) == 1, rec.code_after[0]
     assert counters["inductor_xent"][f"fused.{pattern}"] == 1 and counters["inductor_xent"]["sites_declined"] == 0
     assert ours.dtype == same.dtype
@@ -106,9 +74,9 @@ def test_op_computes_from_autocast_rounded_operands(name):
     fn, _ = SPELLINGS[name]
     inputs = make_inputs()
     names = (*MATMUL_OPERANDS, "b") if name == "linear_bias_float_sum" else MATMUL_OPERANDS
-    exact, _ = _exact(fn, inputs, torch.bfloat16, names)
-    ours, _ = _loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16, backend=Recorder())
-    same, _ = _loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16)
+    exact, _ = autocast_exact(fn, inputs, torch.bfloat16, names)
+    ours, _ = autocast_loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16, backend=Recorder())
+    same, _ = autocast_loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16)
     assert rel_err(ours, exact) < 1e-5 and rel_err(ours, exact) < rel_err(same, exact) / 10
 
 
@@ -135,11 +103,11 @@ def test_autocast_entered_inside_the_compiled_function():
             logits = F.linear(x, W, b)
         return F.cross_entropy(logits.float().view(-1, V), y.view(-1))
 
-    inputs = _representable(make_inputs(), torch.bfloat16)
+    inputs = autocast_representable(make_inputs(), torch.bfloat16)
     rec = Recorder()
-    ours, ours_g = _loss_and_grads(fn, leaves(inputs), backend=rec)
-    same, same_g = _loss_and_grads(fn, leaves(inputs))
-    exact, exact_g = _exact(fn, inputs)
+    ours, ours_g = autocast_loss_and_grads(fn, leaves(inputs), backend=rec)
+    same, same_g = autocast_loss_and_grads(fn, leaves(inputs))
+    exact, exact_g = autocast_exact(fn, inputs)
     assert fused_ops(rec.after[0]) == 1
     assert any("autocast" in str(t) for t in rec.after[0]), "the region's nodes stay"
     assert_within_torch_error(ours, same, exact, what="loss")
@@ -157,8 +125,8 @@ def test_autocast_disabled_around_the_head():
 
     inputs = make_inputs()
     rec = Recorder()
-    ours, ours_g = _loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16, backend=rec)
-    exact, exact_g = _exact(fn, inputs)
+    ours, ours_g = autocast_loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16, backend=rec)
+    exact, exact_g = autocast_exact(fn, inputs)
     assert fused_ops(rec.after[0]) == 1
     (op,) = [n for n in rec.graphs[0].graph.nodes if n.target is ops.FORWARD]
     assert op.args[0].meta["example_value"].dtype == torch.float32
@@ -180,11 +148,11 @@ def test_bias_added_after_the_matmul_declines_under_autocast():
 def test_both_strategies_under_autocast(strategy):
     """store computes the gradients in the forward from the bf16 operands; recompute in the backward."""
     fn, _ = SPELLINGS["hf_causal_lm"]
-    inputs = _representable(make_inputs(), torch.bfloat16)
+    inputs = autocast_representable(make_inputs(), torch.bfloat16)
     rec = Recorder(**{"xent.strategy": strategy, "xent.store_budget": "1GiB"})
-    ours, ours_g = _loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16, backend=rec)
-    same, same_g = _loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16)
-    exact, exact_g = _exact(fn, inputs)
+    ours, ours_g = autocast_loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16, backend=rec)
+    same, same_g = autocast_loss_and_grads(fn, leaves(inputs), autocast=torch.bfloat16)
+    exact, exact_g = autocast_exact(fn, inputs)
     op = ops.STORE if strategy == "store" else ops.FORWARD
     assert rec.after[0].count(op) == 1
     assert_within_torch_error(ours, same, exact, what="loss")
@@ -225,9 +193,9 @@ def test_cuda_autocast_through_inductor(strategy):
 
     ins = {"h": hidden, "w": weight, "y": y}
     rec = Recorder(**{"xent.inner": "inductor", "xent.strategy": strategy, "xent.store_budget": "1GiB"})
-    ours, ours_g = _loss_and_grads(fn, leaves(ins), autocast=torch.bfloat16, backend=rec)
-    same, same_g = _loss_and_grads(fn, leaves(ins), autocast=torch.bfloat16)
-    exact, exact_g = _exact(fn, ins)
+    ours, ours_g = autocast_loss_and_grads(fn, leaves(ins), autocast=torch.bfloat16, backend=rec)
+    same, same_g = autocast_loss_and_grads(fn, leaves(ins), autocast=torch.bfloat16)
+    exact, exact_g = autocast_exact(fn, ins)
     assert rec.after[0].count(ops.STORE if strategy == "store" else ops.FORWARD) == 1
     assert_within_torch_error(ours, same, exact, what="loss")
     for k in same_g:

@@ -19,9 +19,9 @@ from inductor_xent import escape, ops, patterns
 
 from .helpers import (
     B,
+    Recorder,
     T,
     V,
-    Recorder,
     assert_within_torch_error,
     fused_ops,
     leaves,

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import inductor_xent
 
-from .helpers import V, Recorder, assert_parity, fused_ops, make_inputs
+from .helpers import Recorder, V, assert_parity, fused_ops, make_inputs
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

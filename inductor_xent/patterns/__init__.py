@@ -171,10 +171,13 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: boo
     if declined or isinstance(chain, Decline):  # the idiom's own reason first, whatever the walk found
         outcome = found if declined else chain
     else:
-        pairs = [(found, chain), *_other_heads(found, chain, candidates)]
+        others = _other_heads(found, chain, candidates)
+        # heads of other row slices of the same logits are sites of their own (analysed in turn)
+        siblings = [(h, c) for h, c in others if _logits.other_rows(chain, c)]
+        pairs = [(found, chain), *(p for p in others if p not in siblings)]
         heads = [h for h, _ in pairs]
         site.head = "+".join(k for k in HEADS if any(h.head == k for h in heads))
-        outcome = _plan.plan(gm, pairs, allow_escaping, can_return)
+        outcome = _plan.plan(gm, pairs, allow_escaping, can_return, siblings)
     if isinstance(outcome, Decline):
         site.reason, site.logits_escape, site.logits_input = outcome.reason, outcome.logits_escape, outcome.logits_input
     else:

@@ -12,11 +12,19 @@ the matmul and that tensor, and folds it into the op's arguments:
 * multiplication or division by a Python number (-> ``logit_scale``), ``tanh`` between two such
   factors in either operand order (Gemma 2's ``final_logit_softcapping``: div -> tanh -> mul;
   RecurrentGemma's ``F.tanh(logits / cap) * cap``; -> ``softcap``);
+* ``a * sigmoid(z / s)`` (modded-nanogpt), as ``a/2 * tanh(z / 2s) + a/2``: a softcap, and a
+  constant after it that softmaxes ignore (a logsumexp of those logits adds it: ``Logits.shift``);
+* a Python number added before the softcap (``tanh((z + 5) / s)``): a constant bias of the matmul
+  (``Logits.bias_shift``); ``z - k`` as ``z + (-k)``;
 * multiplication by a tensor holding one factor per vocabulary entry (or one in all), before any
   softcap: folded into the weight, ``W * s[:, None]`` (Dory's learned per-token logit scale);
+* multiplication or division by a tensor of one factor per row (``logits / T.unsqueeze(-1)``, a
+  per-token temperature as verl's engine passes it), before any softcap and bias: pushed onto the
+  hidden states' rows, ``(h / T[..., None]) @ W.T`` (autograd gives ``T`` its gradient);
+* ``.detach()``: the heads over it have no gradient (``Logits.detached``);
 * a bias add of a ``[V]`` tensor right after the matmul;
 * slices, transposes and permutations of the leading (batch/sequence) dimensions and the views
-  around them, which the rewrite replays on the hidden states instead (``logits[:, :-1]`` ->
+  around them (a chunk of ``logits.split(k)`` / ``logits.chunk(n)`` along one of them is a slice), which the rewrite replays on the hidden states instead (``logits[:, :-1]`` ->
   ``hidden[:, :-1]``; ``mm(h2d, W.t()).view(B, T, V)[:, 1:]`` -> ``h2d.reshape(B, T, D)[:, 1:]``;
   ProphetNet's ``logits.transpose(0, 1)`` of ``[B, ngram, T, V]`` -> ``hidden.transpose(0, 1)``).
 """
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import math
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -33,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
+from .. import compat
 from . import _dtensor
 from ._fx import PERMUTE, Emitter, arg, is_call, norm_dim, number, permutation, same, tval, val
 from ._site import Decline
@@ -57,6 +67,17 @@ GRAPH_INPUT = (
     "the logits are an input of this graph: a graph break separates the lm_head matmul from the loss "
     "(torch._dynamo.explain shows where); remove the break to fuse"
 )
+BREAK_INPUT = (
+    "the logits are an input of this graph: a graph break in {fn} (line {line}) separates the lm_head "
+    "matmul from the loss (torch._dynamo.explain shows why); remove the break to fuse"
+)
+ARGUMENT_INPUT = (
+    "the logits are an argument of the compiled function {fn}: its lm_head runs outside the compiled "
+    "code (e.g. torchtune's compile_loss compiles the loss module alone); compile the function that "
+    "computes the logits and the loss together (the model's forward with its loss, torch.compile(model), "
+    "or a region from the hidden states and the lm_head weight to the loss) to fuse"
+)
+RESUME = re.compile(r"torch_dynamo_resume_in_(.+)_at_(\d+)$")
 CALL_MODULE = (
     "the lm_head is an nn.Linear call_module node (torch._dynamo.config.inline_inbuilt_nn_modules="
     "False, possible on torch 2.11): set it to True (the default) to fuse"
@@ -78,6 +99,14 @@ class Logits:
     weight_scale_at: Optional[Node] = None
     logit_scale: float = 1.0
     softcap: Optional[float] = None
+    # a Python number added to the logits before the softcap (``tanh((z + 5) / s)``), in the matmul's
+    # units: the op adds it to every vocabulary entry's bias
+    bias_shift: float = 0.0
+    # a Python number added after the softcap (``a * sigmoid(z / s)`` is ``a/2 * tanh(z / 2s) + a/2``):
+    # softmaxes ignore it, a logsumexp of the final logits is the op's lse plus it
+    shift: float = 0.0
+    # heads reading ``logits.detach()``: their values carry no gradient
+    detached: bool = False
     # views / slices of the leading dims between matmul and logits, in order, as (position in
     # ``nodes`` of the node they produce, op); ``replay`` applies them to the hidden states
     shape_ops: list = field(default_factory=list)
@@ -90,6 +119,12 @@ class Logits:
     # nodes[raw_at] holds the matmul's output plus the bias (the node of a separate bias add, else
     # the matmul): the raw logits the op can write (escape.py)
     raw_at: int = 0
+
+    @property
+    def row_scaled(self) -> bool:
+        """The logits are multiplied (or divided) by a tensor of one factor per row: a per-row
+        temperature, pushed onto the hidden states' rows."""
+        return any(op[0] == "row_scale" for _, op in self.shape_ops)
 
     @property
     def sliced(self) -> bool:
@@ -123,6 +158,16 @@ def same_logits(a: Logits, b: Logits, *, monotone: bool = False) -> bool:
     reorders = any(i >= k and op[0] in ("slice", "permute") for c in (a, b) for i, op in c.shape_ops)
     return (monotone and not reorders and a.bias is b.bias and a.weight_scale is b.weight_scale
             and (a.logit_scale > 0) == (b.logit_scale > 0))
+
+
+def other_rows(a: Logits, b: Logits) -> bool:
+    """True when ``a`` and ``b`` walk back to one matmul but read different row slices of it (e.g.
+    ``F.cross_entropy(logits[s:e], t[s:e], reduction="sum")`` summed over chunks): each is a site of
+    its own, with the slice pushed onto the hidden states."""
+    if a.matmul is not b.matmul or same_logits(a, b):
+        return False
+    k = next((i for i, (x, y) in enumerate(zip(a.nodes, b.nodes)) if x is not y), min(len(a.nodes), len(b.nodes)))
+    return all(any(i >= k and op[0] == "slice" for i, op in c.shape_ops) for c in (a, b))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,14 +209,45 @@ def _permute(node: Node, out: torch.Tensor) -> Optional[Step]:
 
 def _slice(node: Node, out: torch.Tensor) -> Optional[Step]:
     src, index = node.args
+    if is_call(src, SPLITS) and isinstance(index, int):  # a chunk of ``z.split(k)``: z[i*k:(i+1)*k]
+        return _chunk(src, index)
     ins = tval(src)
     return ("slice", src, ("slice", index)) if ins is not None and _leading_slice(index, ins.dim()) else None
 
 
+SPLITS = (torch.split, torch.chunk, "split", "chunk")
+
+
+def _chunk(split: Node, i: int) -> Optional[Step]:
+    """Chunk ``i`` of ``z.split(size_or_sections, dim)`` / ``z.chunk(n, dim)`` along a leading
+    dimension of static size, as the slice it is."""
+    z = arg(split, 0, "input")
+    tz = tval(z)
+    if tz is None or split.kwargs.keys() - {"dim", "split_size_or_sections", "split_size", "chunks"}:
+        return None
+    dim = norm_dim(arg(split, 2, "dim", 0), tz.dim())
+    how = arg(split, 1, "split_size_or_sections", split.kwargs.get("split_size", split.kwargs.get("chunks")))
+    if dim is None or dim >= tz.dim() - 1 or not isinstance(tz.shape[dim], int):
+        return None
+    length = tz.shape[dim]
+    if is_call(split, (torch.chunk, "chunk")):
+        how = -(-length // how) if isinstance(how, int) and how > 0 else None
+    if isinstance(how, int) and not isinstance(how, bool) and how > 0:
+        bounds = list(range(0, length, how)) + [length]
+    elif isinstance(how, (list, tuple)) and all(isinstance(k, int) for k in how) and sum(how) == length:
+        bounds = [0, *(sum(how[: j + 1]) for j in range(len(how)))]
+    else:
+        return None
+    if not 0 <= i < len(bounds) - 1:
+        return None
+    return "slice", z, ("slice", (*(slice(None),) * dim, slice(bounds[i], bounds[i + 1])))
+
+
 def _mul(node: Node, out: torch.Tensor) -> Optional[Step]:
-    """``z * k`` with ``k`` a Python number ("scale"), or ``z * s`` with ``s`` a tensor of one factor
+    """``z * k`` with ``k`` a Python number ("scale"), ``z * s`` with ``s`` a tensor of one factor
     per vocabulary entry (or one in all) that changes neither the shape nor the dtype of ``z``
-    ("tensor_scale"); either operand order."""
+    ("tensor_scale"), or ``z * r`` with ``r`` one factor per row (``[..., 1]``, broadcast over the
+    vocabulary: "row_scale"); either operand order."""
     if node.kwargs.get("out"):
         return None
     a, b = arg(node, 0, "input"), arg(node, 1, "other")
@@ -183,6 +259,8 @@ def _mul(node: Node, out: torch.Tensor) -> Optional[Step]:
             return None if number(k) is None else ("scale", src, number(k))
         if tk is None or not tk.dtype.is_floating_point or tk.dim() > ts.dim():
             continue
+        if _row_factors(tk, ts, out):
+            return "row_scale", src, ("row_scale", k, False)
         if ts.dtype != out.dtype or ts.dim() != out.dim() or not all(same(x, y) for x, y in zip(ts.shape, out.shape)):
             continue
         if all(same(x, 1) for x in tk.shape[:-1]) and (tk.dim() == 0 or same(tk.shape[-1], 1)
@@ -194,18 +272,57 @@ def _mul(node: Node, out: torch.Tensor) -> Optional[Step]:
 def _div(node: Node, out: torch.Tensor) -> Optional[Step]:
     if node.kwargs.get("rounding_mode") or node.kwargs.get("out"):
         return None
-    src, k = arg(node, 0, "input"), number(arg(node, 1, "other"))
+    src, other = arg(node, 0, "input"), arg(node, 1, "other")
+    ts, tk = tval(src), tval(other)
+    if isinstance(src, Node) and ts is not None and tk is not None and tk.dtype.is_floating_point \
+            and _row_factors(tk, ts, out):  # a per-row temperature: logits / T[..., None]
+        return "row_scale", src, ("row_scale", other, True)
+    k = number(other)
     return ("scale", src, 1.0 / k) if isinstance(src, Node) and k not in (None, 0.0) else None
+
+
+def _row_factors(tk: torch.Tensor, ts: torch.Tensor, out: torch.Tensor) -> bool:
+    """True when ``tk`` holds one factor per row of ``ts`` (a ``[..., 1]`` tensor that broadcasts over
+    its leading dimensions without growing them, and is not a single number), and multiplying keeps
+    ``ts``'s shape."""
+    if tk.dim() < 1 or tk.dim() > ts.dim() or not same(tk.shape[-1], 1) or ts.dim() < 2:
+        return False
+    if ts.dim() != out.dim() or not all(same(x, y) for x, y in zip(ts.shape, out.shape)):
+        return False
+    lead = list(zip(reversed(tk.shape[:-1]), reversed(ts.shape[:-1])))
+    return all(same(k, 1) or same(k, n) for k, n in lead) and any(not same(k, 1) for k, _ in lead)
 
 
 def _tanh(node: Node, out: torch.Tensor) -> Optional[Step]:
     return ("tanh", arg(node, 0, "input"), None) if len(node.args) == 1 and not node.kwargs else None
 
 
+def _sigmoid(node: Node, out: torch.Tensor) -> Optional[Step]:
+    """modded-nanogpt's softcap ``a * sigmoid(z / s)``: ``sigmoid(u) = tanh(u / 2) / 2 + 1 / 2``."""
+    return ("sigmoid", arg(node, 0, "input"), None) if len(node.args) == 1 and not node.kwargs else None
+
+
+def _detach(node: Node, out: torch.Tensor) -> Optional[Step]:
+    return ("detach", arg(node, 0, "input"), None) if len(node.args) == 1 and not node.kwargs else None
+
+
+def _sub(node: Node, out: torch.Tensor) -> Optional[Step]:
+    """``z - k`` with ``k`` a Python number: a shift by ``-k``."""
+    if node.kwargs or len(node.args) != 2 or not isinstance(node.args[0], Node):
+        return None
+    k = number(node.args[1])
+    return None if k is None or isinstance(node.args[1], Node) else ("shift", node.args[0], -k)
+
+
 def _bias(node: Node, out: torch.Tensor) -> Optional[Step]:
+    """``z + b`` with ``b`` a ``[V]`` tensor ("bias"), or ``z + k`` with ``k`` a Python number ("shift");
+    either operand order."""
     if node.kwargs or len(node.args) < 2:
         return None
     a, b = arg(node, 0, "input"), arg(node, 1, "other")
+    for src, k in ((a, b), (b, a)):
+        if isinstance(src, Node) and not isinstance(k, Node) and number(k) is not None:
+            return "shift", src, number(k)
     for src, bias in ((a, b), (b, a)):
         ts, tb = tval(src), tval(bias)
         if ts is not None and tb is not None and tb.dim() == 1 and ts.dim() == out.dim() \
@@ -223,7 +340,10 @@ STEPS: dict[Any, Callable[[Node, torch.Tensor], Optional[Step]]] = {
     **dict.fromkeys((operator.mul, torch.mul, "mul"), _mul),
     **dict.fromkeys((operator.truediv, torch.div, torch.true_divide, "div", "true_divide"), _div),
     **dict.fromkeys((torch.tanh, F.tanh, "tanh"), _tanh),
+    **dict.fromkeys((torch.sigmoid, F.sigmoid, "sigmoid"), _sigmoid),
     **dict.fromkeys((operator.add, torch.add, "add"), _bias),
+    **dict.fromkeys((operator.sub, torch.sub, "sub"), _sub),
+    **dict.fromkeys((torch.Tensor.detach, "detach"), _detach),
 }
 
 
@@ -363,7 +483,7 @@ def trace(logits: Node) -> Union[Logits, Decline, None]:
 def _stopped(node: Any, steps: list) -> Optional[Decline]:
     """Why the walk cannot pass ``node`` when an lm_head lies behind it; None when none does."""
     if isinstance(node, Node) and node.op == "placeholder" and steps and steps[-1][0] == "cast":
-        return Decline(None, node, GRAPH_INPUT, logits_input=True)
+        return Decline(None, node, _input_reason(node), logits_input=True)
     if isinstance(node, Node) and node.op == "call_module" and _is_linear_module(node):
         return Decline(None, node, CALL_MODULE)
     cur = node
@@ -381,6 +501,16 @@ def _stopped(node: Any, steps: list) -> Optional[Decline]:
     return None
 
 
+def _input_reason(node: Node) -> str:
+    """Why logits that are a placeholder cannot fuse: a graph break in the user's function, or no
+    lm_head in the compiled function at all (Dynamo names the frame it traced)."""
+    fn = compat.dynamo_frame(node.graph.owning_module)
+    if fn is None:
+        return GRAPH_INPUT
+    resumed = RESUME.match(fn)
+    return BREAK_INPUT.format(fn=resumed[1], line=resumed[2]) if resumed else ARGUMENT_INPUT.format(fn=fn)
+
+
 def _unsupported_hint(node: Node) -> str:
     """What to change, for the unsupported ops RL code writes."""
     if node.target is operator.getitem:
@@ -392,8 +522,9 @@ def _unsupported_hint(node: Node) -> str:
         return (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
                 "heads; compute each head's loss from its own matmul to fuse)")
     if STEPS.get(node.target) is _div and isinstance(arg(node, 1, "other"), Node):
-        return (": the logits are divided by a tensor or a symbolic number (e.g. a temperature given as a "
-                "tensor, or a Python float Dynamo made dynamic); only a Python number folds into the op's scale")
+        return (": the logits are divided by a tensor that is not one factor per row (a per-row temperature "
+                "logits / T.unsqueeze(-1) folds), or by a symbolic number (a Python float Dynamo made dynamic); "
+                "a Python number or a [..., 1] tensor fold")
     return ""
 
 
@@ -406,59 +537,88 @@ def _is_linear_module(node: Node) -> bool:
 
 def _fold(root: Logits, steps: list) -> Optional[str]:
     """Replay ``steps`` forward from the matmul, folding them into ``root`` (bias, logit_scale,
-    softcap, weight_scale, shape_ops); a reason when they do not fold."""
+    softcap, shifts, weight_scale, shape_ops with the per-row factors); a reason when they do not fold."""
     root.nodes, root.kinds = [root.matmul], [("matmul", None)]
-    scale, post, tanh_seen = 1.0, None, False
+    scale, post, post_shift, tanh_seen = 1.0, None, 0.0, False
     for kind, _src, payload, n in reversed(steps):
         root.nodes.append(n)
         root.kinds.append((kind, payload))
         if kind == "scale":
             if tanh_seen:
-                post *= payload
+                post, post_shift = post * payload, post_shift * payload
             else:
                 scale *= payload
-        elif kind == "tanh":
+        elif kind in ("tanh", "sigmoid"):
             if tanh_seen:
-                return "two tanh between the matmul and the loss"
+                return "two softcaps (tanh or sigmoid) between the matmul and the loss"
             tanh_seen, post = True, 1.0
+            if kind == "sigmoid":  # sigmoid(u) = tanh(u / 2) / 2 + 1 / 2
+                scale, post, post_shift = scale * 0.5, 0.5, 0.5
+        elif kind == "shift":
+            if tanh_seen:
+                post_shift += payload
+            elif root.row_scaled:
+                return "a number added to the logits after a per-row temperature"
+            elif scale == 0.0:
+                return "a number added to logits scaled by 0"
+            else:  # z * scale + k = (z + k / scale) * scale: a constant bias of the matmul
+                root.bias_shift += payload / scale
         elif kind == "tensor_scale":
             if tanh_seen:
                 return "the logits are multiplied by a tensor after the softcap's tanh (a Python number only)"
             if root.weight_scale is not None:
                 return "the logits are multiplied by two tensors"
-            if root.bias is not None:
+            if root.bias is not None or root.bias_shift:
                 return "the logits of a linear with a bias are multiplied by a tensor"
             if _depends_on(payload, root.matmul):
                 return "the logits are multiplied by a tensor computed from the logits"
             root.weight_scale, root.weight_scale_at = payload, n
+        elif kind == "row_scale":
+            if tanh_seen:
+                return "the logits are multiplied by a per-row tensor after the softcap (before it, it folds)"
+            if root.bias is not None or root.bias_shift:
+                return "the logits of a linear with a bias (or a number added) are scaled per row"
+            if root.row_scaled:
+                return "the logits are scaled per row twice"
+            if _depends_on(payload[1], root.matmul):
+                return "the logits are scaled per row by a tensor computed from the logits"
+            root.shape_ops.append((len(root.nodes) - 1, payload))
         elif kind == "bias":
             if root.bias is not None:
                 return "a second bias added to a linear that already has one"
-            if scale != 1.0 or tanh_seen or root.weight_scale is not None:
+            if scale != 1.0 or tanh_seen or root.weight_scale is not None or root.row_scaled:
                 return "a bias added after the logits were scaled or softcapped"
             root.bias, root.raw_at = payload, len(root.nodes) - 1
+        elif kind == "detach":
+            root.detached = True
         elif kind in ("slice", "view"):
             root.shape_ops.append((len(root.nodes) - 1, payload))
         # from here on the values are final, and rows keep their order (a head or logsumexp reading
         # an earlier node would see other values, or its rows in another order)
-        if kind in ("scale", "tensor_scale", "tanh", "bias", "slice") or (kind == "view" and payload[0] == "permute"):
+        if kind in VALUE_KINDS or (kind == "view" and payload[0] == "permute"):
             root.final_from = len(root.nodes) - 1
     if tanh_seen:
         if post == 0.0 or not math.isfinite(post):
             return f"softcap multiplier {post} is not a finite nonzero number"
-        root.softcap, root.logit_scale = abs(post), scale * post
+        root.softcap, root.logit_scale, root.shift = abs(post), scale * post, post_shift
     else:
         root.logit_scale = scale
-    if not math.isfinite(root.logit_scale):
-        return f"logit scale {root.logit_scale} is not finite"
+    if not all(math.isfinite(x) for x in (root.logit_scale, root.bias_shift, root.shift)):
+        return f"logit scale {root.logit_scale} or shift {root.bias_shift}, {root.shift} is not finite"
     return None
+
+
+# the steps that change the logits' values (or their rows' order)
+VALUE_KINDS = ("scale", "tensor_scale", "row_scale", "tanh", "sigmoid", "shift", "bias", "slice")
 
 
 def replay(emit, tensor: Node, ops: list, last: Any) -> Node:
     """Apply the leading-dim views / slices ``ops`` of the logits to ``tensor``, whose last
-    dimension is ``last`` (D for the hidden states, 1 for an lse column) instead of V."""
+    dimension is ``last`` (D for the hidden states) instead of V; per-row factors multiply it."""
     for op in ops:
-        if op[0] == "slice":
+        if op[0] == "row_scale":  # a per-row factor: (h * r) @ W.T == (h @ W.T) * r
+            tensor = emit.call(operator.truediv if op[2] else operator.mul, tensor, op[1])
+        elif op[0] == "slice":
             tensor = emit.getitem(tensor, op[1])
         elif op[0] == "permute":
             tensor = emit.method("permute", tensor, op[1])

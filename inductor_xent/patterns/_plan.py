@@ -74,12 +74,19 @@ class Plan:
     owned: list  # what the rewrite erases once dead: the heads, their walks, the rows of a stacked logsumexp
     dtype: torch.dtype  # what the op computes from: the matmul's dtype (autocast's, when it casts)
     returned: list = field(default_factory=list)  # [Returned]: logits the op writes for the graph's output
+    siblings: list = field(default_factory=list)  # (LossSite, Logits) over other row slices: their own sites
 
     @property
     def autocast(self) -> bool:
         """The matmul computes in another dtype than its operands': autocast casts them."""
         return any(tval(n).dtype != self.dtype for n in (self.logits.hidden, self.logits.weight, self.logits.bias)
                    if n is not None)
+
+    @property
+    def needs(self) -> tuple[bool, bool, bool]:
+        """Which of (hidden, weight, bias) the graph will ask a gradient of: none when every head
+        reads ``logits.detach()``."""
+        return (False, False, False) if all(c.detached for _, c in self.heads) else self.logits.needs
 
     @property
     def site(self) -> LossSite:
@@ -98,18 +105,24 @@ class Plan:
 
     @property
     def ignore_index(self) -> int:
-        h = _with_target(self.heads)
-        return NO_IGNORE if h is None else h.ignore_index
+        """The heads' ignore_index (a gather of the log-probs has none: eager raises on an ignored row's
+        target there, so its rows are never ignored ones)."""
+        return next((h.ignore_index for h, _ in self.heads if h.target is not None and h.ignore_index != NO_IGNORE),
+                    NO_IGNORE)
 
     @property
     def escapes_to_output(self) -> bool:
         return any(u.op == "output" for u in self.escapes)
 
 
-def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False) -> Union[Plan, Decline]:
+def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
+         siblings: Optional[list] = None) -> Union[Plan, Decline]:
     """The rewrite of ``heads`` ((LossSite, Logits) pairs over one matmul, the driver's first), or
     why there is none. ``can_return``: the caller hands the returned logits to escape.wrap, so
-    logits that are only returned (``torch.compile(model)``) are written by the op instead."""
+    logits that are only returned (``torch.compile(model)``) are written by the op instead.
+    ``siblings``: heads over other row slices of these logits, each rewritten as a site of its own
+    (their slices are not other users of the logits)."""
+    siblings = siblings or []
     site = heads[0][0]
     chain = next((c for h, c in heads if h.head != "argmax"), heads[0][1])
     reason = _heads_reason(heads, chain) or _inputs_reason(heads, chain)
@@ -118,7 +131,12 @@ def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False) -> Uni
     read = dict.fromkeys(n for h, c in heads for n in (*c.nodes, *h.consumed))  # the logits and what heads derive
     owned = {**read, **dict.fromkeys(n for h, _ in heads for n in (h.loss, *h.aux))}
     lse_users = _logsumexps(heads, chain, read, owned)
-    escapes = list(dict.fromkeys(u for n in read for u in n.users if u not in owned and u not in lse_users))
+    theirs = {n for _, c in siblings for n in c.nodes}
+    # z.split(k) whose chunks are all read by these heads or their siblings: no other user
+    owned.update(dict.fromkeys(u for n in read for u in n.users if is_call(u, _logits.SPLITS)
+                               and all(g in read or g in theirs for g in u.users)))
+    escapes = list(dict.fromkeys(u for n in read for u in n.users
+                                 if u not in owned and u not in lse_users and u not in theirs))
     if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
         return Decline(None, site.loss, "a logsumexp the head subtracts does not read the same logits as the rest")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -146,7 +164,7 @@ def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False) -> Uni
     reason = reason or _grad_mode_between(gm, order, chain, last)
     if reason:
         return Decline(None, site.loss, reason)
-    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned)
+    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned, siblings)
 
 
 # what may sit between the raw logits the op writes and a returned tensor: the graph replays these
@@ -165,6 +183,8 @@ def _returnable(heads: list, chain: Logits, read: dict, escapes: list) -> tuple[
         return [], "the vocabulary-parallel op does not write the logits"
     if chain.weight_scale is not None:
         return [], "a tensor scale folded into the weight changes the op's raw logits"
+    if chain.bias_shift or chain.row_scaled:
+        return [], "a number added before the softcap, or a per-row temperature, changes the op's raw logits"
     if any(op[0] in ("slice", "permute") for _, op in chain.shape_ops):
         return [], "the loss reads a slice or permutation of the rows of the returned logits"
     returned = []
@@ -233,7 +253,7 @@ def _heads_reason(heads: list, chain: Logits) -> Optional[str]:
         return ("heads of one lm_head read different logits (another scale or temperature, softcap or rows): "
                 "one op computes one set; compute every head from the same logits tensor to fuse")
     with_target = [h for h, _ in heads if h.target is not None]
-    if len({h.ignore_index for h in with_target}) > 1:
+    if len({h.ignore_index for h in with_target} - {NO_IGNORE}) > 1:
         return "heads of the same logits with different ignore_index"
     if any(ids_base(h.target) is not ids_base(with_target[0].target) for h in with_target[1:]):
         return "heads of the same logits read different targets (one op takes one class id per row)"
@@ -295,7 +315,10 @@ def _grad_mode_between(gm, order: dict, chain: Logits, last: Node) -> Optional[s
     only, or around one of its heads or logsumexps) between the matmul and ``last`` of those."""
     changes = gm.graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled, sort=False)
     if any(order[chain.matmul] < order[n] < order[last] for n in changes):
-        return "the grad mode changes between the lm_head matmul and the loss"
+        return ("the grad mode changes between the lm_head matmul and the loss (a torch.no_grad() block around "
+                "the lm_head or one of its heads): read the logits through .detach() instead, e.g. "
+                "ref = logits.detach().log_softmax(-1) for a head without gradient, or "
+                "F.linear(h, W).detach() for logits that need none, to fuse")
     return None
 
 
@@ -319,6 +342,6 @@ def gradients(p: Plan, which: Optional[str], budget) -> strategy.Plan:
     n = None if n is None else n // max(1, hint(d) or 1)
     reduced = len(p.heads) == 1 and site.head == "cross_entropy"  # store gives one reduced loss
     return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
-                         reduction=site.reduction if reduced else "none", needs=chain.needs,
+                         reduction=site.reduction if reduced else "none", needs=p.needs,
                          label_smoothing=site.label_smoothing, softcap=chain.softcap,
                          lse_used=bool(p.lse_users), strategy=which, budget=budget, device=tx.device.type)

@@ -44,14 +44,19 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
     # autocast: the operands in the matmul's dtype, as autocast casts them (gradients flow back through the casts)
     hidden2d, weight = _cast(e, hidden2d, plan.dtype), _cast(e, weight, plan.dtype)
     bias = None if chain.bias is None else _cast(e, chain.bias, plan.dtype)
+    if chain.bias_shift:  # a number added before the softcap: a constant bias
+        v = chain.vd[0] if isinstance(chain.vd[0], int) else e.method("size", weight, 0)
+        bias = (e.method("new_full", weight, (v,), chain.bias_shift) if bias is None
+                else e.call(operator.add, bias, chain.bias_shift))
     target, ii = plan.target, int(plan.ignore_index)
     target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     folded: list = []  # negations of a head that the op's output replaces instead
     write = (True,) if plan.returned else ()  # the op writes the logits the graph returns (escape.py)
+    needs = plan.needs
     if how.strategy == "store":  # the reduced loss; its gradients are computed in the same op
         out = e.call(ops.STORE, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
-                     0.0, site.reduction, 0, how.budget, *chain.needs, *write)
+                     0.0, site.reduction, 0, how.budget, *needs, *write)
         site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
         _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
@@ -92,12 +97,18 @@ def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
                 value = e.method("squeeze", value, -1)
         else:
             value = _rows_like(e, value, c, len(c.nodes) - 1, h.keepdim, hidden, all_ops, d)
+        if c.detached:  # the head read logits.detach()
+            value = e.method("detach", value)
         _place(e, h.loss, value, (sign < 0) != h.negate, chain, folded)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
     # (shaped like the node each reads: the hidden states through the same views, less D)
     for u, (c, position, keepdim) in plan.lse_users.items():
         value = _rows_like(e, lse, c, position, keepdim, hidden, all_ops, d)
+        if c.shift:  # a number added after the softcap (a sigmoid's): the logsumexp's too
+            value = e.call(operator.add, value, c.shift)
+        if c.detached:
+            value = e.method("detach", value)
         u.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, u), u, chain))
     if plan.returned:
         _return_logits(gm, e, plan, out, 3)
@@ -153,7 +164,8 @@ def _rows_like(e: Emitter, value: Node, c: _logits.Logits, position: int, keepdi
     if tval(c.nodes[position]).dim() == 2 and not keepdim:
         return value  # one per row, in row order: exactly the op's
     upto = [op for i, op in c.shape_ops if i <= position]
-    like = hidden if upto == all_ops else _logits.replay(e, c.hidden, upto, d)
+    # only the shape matters here: per-row factors are left out
+    like = hidden if upto == all_ops else _logits.replay(e, c.hidden, [op for op in upto if op[0] != "row_scale"], d)
     value = e.method("view", value, e.getitem(e.method("size", like), slice(None, -1)))
     return e.method("unsqueeze", value, -1) if keepdim else value
 

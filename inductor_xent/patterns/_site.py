@@ -224,10 +224,11 @@ def ids_base(node: Any) -> Any:
 
 def lse_of(node: Any) -> Optional[tuple[Node, bool, tuple]]:
     """(logits, keepdim, nodes in between) when ``node`` is ``logsumexp`` over the last dimension of
-    ``logits`` (or that unsqueezed at the end: keepdim), or TRL's ``selective_log_softmax`` (fp32 branch) ``torch.stack([torch.logsumexp(row,
-    -1) for row in logits])`` over every row in order (its rows and their logsumexps in between): the
-    plan maps a z-loss (PaLM / T5X / OLMo ``1e-4 * torch.logsumexp(logits, -1).pow(2).mean()`` next to
-    the cross-entropy; Chameleon) onto the op's lse output instead of keeping the logits alive."""
+    ``logits`` (or that unsqueezed at the end: keepdim), or TRL's ``selective_log_softmax`` (fp32
+    branch) ``torch.stack([torch.logsumexp(row, -1) for row in logits])`` over every row in order
+    (its rows and their logsumexps in between): the plan maps a z-loss (PaLM / T5X / OLMo
+    ``1e-4 * torch.logsumexp(logits, -1).pow(2).mean()`` next to the cross-entropy; Chameleon) onto
+    the op's lse output instead of keeping the logits alive."""
     if is_call(node, (torch.stack,)):
         return _stacked_lse(node)
     if is_call(node, (torch.unsqueeze, "unsqueeze")):  # lse.unsqueeze(-1): TRL 1.16's keepdim

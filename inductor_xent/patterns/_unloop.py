@@ -85,7 +85,8 @@ def _loop(join: Node) -> Optional[Loop]:
     items = join.args[0] if join.args else join.kwargs.get("tensors")
     dim = join.args[1] if len(join.args) > 1 else join.kwargs.get("dim", 0)
     rows = join.target is torch.stack
-    if dim != 0 or not isinstance(items, (list, tuple)) or len(items) < 2 or not all(isinstance(i, Node) for i in items):
+    if dim != 0 or not isinstance(items, (list, tuple)) or len(items) < 2 \
+            or not all(isinstance(i, Node) for i in items):
         return None
     walks = [_walk(item, k, rows) for k, item in enumerate(items)]
     if any(w is None for w in walks):
