@@ -485,7 +485,7 @@ def _decline_worker(rank, world_size):
                     "replicate", "are not Shard(0) (the vocabulary) on one mesh dim"),
         # FSDP2 unit of its own: its hooks are graph breaks between the matmul and the loss
         "fsdp_head_unit": (V, lambda m: fsdp(m, mesh, head_unit=True), "replicate",
-                           "a graph break in forward (line"),
+                           "a graph break separates the lm_head matmul from the loss"),
     }
     for name, (vocab, shard, spelling, reason) in cases.items():
         ids, labels = batch(0, vocab) if name != "fsdp_head_unit" else batch(rank, vocab)

@@ -475,7 +475,7 @@ def _stacked_out_of_order(x, W, b, y, yv):
 DECLINES = {
     "argmax_of_negated_logits": (_argmax_of_negated, "read different logits", 1),
     "stacked_logsumexp_out_of_order": (_stacked_out_of_order, "", 0),
-    "temperature_tensor": (_tensor_temperature, "temperature given as a tensor", 1),
+    "temperature_tensor": (_tensor_temperature, "not one factor per row", 1),
     "softmax_over_time": (_softmax_over_time, "softmax / log_softmax over dim 1, not the vocabulary", 1),
     "log_softmax_over_time": (_log_softmax_over_time, "log_softmax over dim 1, not the vocabulary", 1),
     "log_of_softmax": (_log_of_softmax, "torch.log of a softmax", 1),

@@ -68,8 +68,8 @@ GRAPH_INPUT = (
     "(torch._dynamo.explain shows where); remove the break to fuse"
 )
 BREAK_INPUT = (
-    "the logits are an input of this graph: a graph break in {fn} (line {line}) separates the lm_head "
-    "matmul from the loss (torch._dynamo.explain shows why); remove the break to fuse"
+    "the logits are an input of this graph: a graph break separates the lm_head matmul from the loss "
+    "(Dynamo resumes {fn} at line {line}; torch._dynamo.explain shows why); remove the break to fuse"
 )
 ARGUMENT_INPUT = (
     "the logits are an argument of the compiled function {fn}: its lm_head runs outside the compiled "
