@@ -4,6 +4,7 @@ Public surface: ``linear_cross_entropy`` and ``linear_log_probs`` (the functiona
 ``torch.compile(fn, backend="inductor_xent")`` (the backend, registered through an entry point).
 """
 
+from . import logs as _logs
 from .api import LogProbs, linear_cross_entropy, linear_log_probs
 from .explain import explain
 from .inductor_pass import install, uninstall
@@ -37,4 +38,5 @@ def _register_without_entry_point() -> None:
 
 
 _register_without_entry_point()
+_logs.register()
 __version__ = "0.1.0"

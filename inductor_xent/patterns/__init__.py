@@ -6,8 +6,9 @@ other heads over the same logits, plans, rewrites or declines each site it finds
 the stages); when unsure, it declines.
 Every site bumps ``torch._dynamo.utils.counters["inductor_xent"]`` (``sites_fused`` /
 ``sites_declined``, ``fused.<pattern>`` / ``declined.<pattern>``), is logged on
-``logging.getLogger(__name__)`` and is returned as a ``Site`` (what ``inductor_xent.explain``
-shows). ``INDUCTOR_XENT_DUMP_GRAPHS=1`` logs each graph before and after the pass.
+``logging.getLogger(__name__)`` (``TORCH_LOGS=inductor_xent``) and is returned as a ``Site`` (what
+``inductor_xent.explain`` shows). ``TORCH_LOGS=+inductor_xent`` logs each graph before and after the
+pass, and ``TORCH_TRACE`` records them for tlparse (inductor_xent/logs.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Optional, Union
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from .. import config, escape
+from .. import escape, logs
 from . import (
     _logits,
     _plan,
@@ -55,8 +56,13 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     ``strategy`` / ``store_budget`` override ``config``'s (see inductor_xent/strategy.py).
     ``can_return``: the caller compiles ``gm`` and applies ``escape.wrap`` to the result, so logits
     the graph returns can be written by the op (escape.py); the graph may then gain outputs."""
-    if config.dump_graphs():
-        log.info("inductor_xent: graph before the pass:\n%s", gm.print_readable(print_output=False))
+    sites = logs.apply(gm, lambda g: _run(g, allow_escaping_logits, strategy, store_budget, can_return))
+    return [] if sites is None else sites  # None: disabled_passes names the pass
+
+
+def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], store_budget,
+         can_return: bool) -> list[Site]:
+    logs.graph(log, gm, "before")
     sites: list[Site] = []
     erased: set = set()
     reported: set = set()  # heads already in another head's site
@@ -90,8 +96,7 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
     if any(s.fused for s in sites):
         gm.graph.lint()
         gm.recompile()
-    if config.dump_graphs():
-        log.info("inductor_xent: graph after the pass:\n%s", gm.print_readable(print_output=False))
+    logs.graph(log, gm, "after")
     return sites
 
 
