@@ -25,7 +25,8 @@ the matmul and that tensor, and folds it into the op's arguments:
 * a bias add of a ``[V]`` tensor right after the matmul;
 * slices, transposes and permutations of the leading (batch/sequence) dimensions and the views
   around them (a chunk of ``logits.split(k)`` / ``logits.chunk(n)`` along one of them is a slice),
-  which the rewrite replays on the hidden states instead (``logits[:, :-1]`` -> ``hidden[:, :-1]``; ``mm(h2d, W.t()).view(B, T, V)[:, 1:]`` -> ``h2d.reshape(B, T, D)[:, 1:]``;
+  which the rewrite replays on the hidden states instead (``logits[:, :-1]`` -> ``hidden[:, :-1]``;
+  ``mm(h2d, W.t()).view(B, T, V)[:, 1:]`` -> ``h2d.reshape(B, T, D)[:, 1:]``;
   ProphetNet's ``logits.transpose(0, 1)`` of ``[B, ngram, T, V]`` -> ``hidden.transpose(0, 1)``).
 """
 
