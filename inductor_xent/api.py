@@ -71,7 +71,7 @@ def linear_cross_entropy(
     needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
              grad and bias is not None and bias.requires_grad)
     if store_budget is not None:
-        strategies.parse_budget(store_budget)  # a clear error for the value as given
+        config.parse_budget(store_budget)  # a clear error for the value as given
     budget = str(store_budget) if store_budget is not None else config.store_budget()
     which = _plan(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
                   float(label_smoothing), softcap, strategy, budget, hidden2d.device.type)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import compat, escape, patterns, strategy
+from . import compat, config, escape, patterns
 from .inductor_pass import CACHE_SALT, DONATED_SCALE
 
 XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool, "strategy": str,
@@ -65,9 +65,9 @@ def split_options(options: Optional[dict]) -> tuple[dict, dict]:
     if ours["inner"] not in INNER:
         raise ValueError(f"option 'xent.inner' must be one of {INNER}, got {ours['inner']!r}")
     if ours["strategy"] is not None:
-        strategy.check_strategy(ours["strategy"])
+        config.check_strategy(ours["strategy"])
     if ours["store_budget"] is not None:
-        strategy.parse_budget(ours["store_budget"])
+        config.parse_budget(ours["store_budget"])
     return ours, theirs
 
 

@@ -6,6 +6,7 @@ or the attributes below at run time.
 
 from __future__ import annotations
 
+import math
 import os
 
 IMPLS = ("auto", "triton", "chunked")
@@ -18,6 +19,7 @@ _IMPL_ALIASES = {"reference": "chunked"}  # the old name, kept with a deprecatio
 fallback_chunk_bytes: int = 8 * 2**20
 
 # Defaults of the strategy knobs (inductor_xent/strategy.py); the environment overrides them.
+STRATEGIES = ("auto", "recompute", "store")
 STRATEGY_DEFAULT = "auto"
 # auto takes ``store`` when its extra memory is at most this: here the size of the [N, V] logits
 # in the input dtype, i.e. what torch.compile holds for the same loss. Store then never holds
@@ -50,8 +52,6 @@ def impl() -> str:
 def strategy() -> str:
     """``INDUCTOR_XENT_STRATEGY``: ``auto`` (default) | ``recompute`` | ``store`` (strategy.py)."""
     value = os.environ.get("INDUCTOR_XENT_STRATEGY", STRATEGY_DEFAULT).strip().lower() or STRATEGY_DEFAULT
-    from .strategy import check_strategy
-
     return check_strategy(value)
 
 
@@ -59,10 +59,45 @@ def store_budget() -> str:
     """``INDUCTOR_XENT_STORE_BUDGET``: how much extra memory ``auto`` lets ``store`` hold: bytes
     (``2GiB``, ``512MiB``, ``1073741824``) or a fraction of the logits (``0.5x``); default ``1x``."""
     value = os.environ.get("INDUCTOR_XENT_STORE_BUDGET", STORE_BUDGET_DEFAULT).strip() or STORE_BUDGET_DEFAULT
-    from .strategy import parse_budget
-
     parse_budget(value)  # a clear error for a malformed value, where it is read
     return value
+
+
+def check_strategy(strategy: str) -> str:
+    """``strategy`` if it is one of STRATEGIES, else ``ValueError`` (the environment, ``xent.strategy``,
+    ``install(strategy=...)`` and the functional API's argument all go through here)."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
+    return strategy
+
+
+def parse_budget(value: str | int | float) -> tuple[str, float]:
+    """A store budget as ("bytes", n) or ("logits", fraction): ``"2GiB"``, ``"512MiB"``, ``123456``, or
+    ``"0.5x"`` (that fraction of the [N, V] logits in the input dtype, which torch.compile holds)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        amount, kind = float(value), "bytes"
+    else:
+        text = str(value).strip().replace(" ", "")
+        kind, amount = "bytes", None
+        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
+        try:
+            if text.lower().endswith("x"):
+                kind, amount = "logits", float(text[:-1])
+            else:
+                for unit, mult in units.items():
+                    if text.lower().endswith(unit):
+                        amount = float(text[: -len(unit)]) * mult
+                        break
+                else:
+                    amount = float(text)
+        except ValueError:
+            amount = None
+        if amount is None:
+            raise ValueError(f"store budget {value!r}: expected bytes (e.g. 2147483648, '2GiB', '512MiB') or a "
+                             "fraction of the logits (e.g. '0.5x')")
+    if not math.isfinite(amount) or amount < 0:
+        raise ValueError(f"store budget {value!r} must be a finite number >= 0")
+    return kind, amount
 
 
 def triton_interpret() -> bool:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import compat
+from . import compat, config
 
 log = logging.getLogger(__name__)
 _PACKAGE = pathlib.Path(__file__).resolve().parent
@@ -72,8 +72,6 @@ class XentPass(CustomGraphPass):
                             store_budget=self.store_budget, can_return=can_return)
 
     def uuid(self) -> Optional[Any]:
-        from . import config
-
         # the strategy knobs change the rewrite: they are part of the cache key (env defaults included)
         knobs = (self.strategy or config.strategy(), str(self.store_budget or config.store_budget()))
         return ("inductor_xent.XentPass", self.allow_escaping_logits, knobs, source_hash())
@@ -153,12 +151,10 @@ def install(*, allow_escaping_logits: bool = False, strategy: Optional[str] = No
     from torch._inductor import compile_fx as cfx
     from torch._inductor import config as ic
 
-    from . import strategy as _strategy
-
     if strategy is not None:
-        _strategy.check_strategy(strategy)
+        config.check_strategy(strategy)
     if store_budget is not None:
-        _strategy.parse_budget(store_budget)
+        config.parse_budget(store_budget)
     uninstall()
     wrapper = InstalledCompileFx(cfx.compile_fx, XentPass(allow_escaping_logits, strategy, store_budget))
     cfx.compile_fx = wrapper

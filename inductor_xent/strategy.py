@@ -16,15 +16,12 @@ the functional API and the graph pass take the same decision, and ``explain`` ca
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import config
-
-STRATEGIES = ("auto", "recompute", "store")
 
 # A bf16/fp16 weight gradient accumulated over row chunks is rounded once per chunk. Up to this
 # many chunks its error stays below torch.compile's (which rounds the logits to bf16 first);
@@ -62,41 +59,6 @@ class Plan:
             return f"recompute ({self.reason})" if self.reason else "recompute"
         acc = ", fp32 weight-gradient accumulator" if self.fp32_accumulate else ""
         return f"store (chunks of {self.chunk_rows} rows{acc}, ~{_mib(self.extra_bytes)})"
-
-
-def parse_budget(value: str | int | float) -> tuple[str, float]:
-    """A budget as ("bytes", n) or ("logits", fraction): ``"2GiB"``, ``"512MiB"``, ``123456``, or
-    ``"0.5x"`` (that fraction of the [N, V] logits in the input dtype, which torch.compile holds)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        amount, kind = float(value), "bytes"
-    else:
-        text = str(value).strip().replace(" ", "")
-        kind, amount = "bytes", None
-        units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6, "gb": 1e9, "b": 1}
-        try:
-            if text.lower().endswith("x"):
-                kind, amount = "logits", float(text[:-1])
-            else:
-                for unit, mult in units.items():
-                    if text.lower().endswith(unit):
-                        amount = float(text[: -len(unit)]) * mult
-                        break
-                else:
-                    amount = float(text)
-        except ValueError:
-            amount = None
-        if amount is None:
-            raise ValueError(f"store budget {value!r}: expected bytes (e.g. 2147483648, '2GiB', '512MiB') or a "
-                             "fraction of the logits (e.g. '0.5x')")
-    if not math.isfinite(amount) or amount < 0:
-        raise ValueError(f"store budget {value!r} must be a finite number >= 0")
-    return kind, amount
-
-
-def check_strategy(strategy: str) -> str:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, got {strategy!r}")
-    return strategy
 
 
 def store_unsupported(reduction: str, label_smoothing: float, softcap: Optional[float], lse_used: bool,
@@ -144,7 +106,7 @@ def chunk_rows(n: int, v: int, d: int, dtype: torch.dtype, weight_dtype: torch.d
     adds the fp32 accumulator, which must fit too. The store op calls this at run time with the
     real N, so eager and compiled calls chunk alike, and a dynamic N is chunked for its size."""
     n = max(int(n), 1)
-    kind, amount = parse_budget(budget)
+    kind, amount = config.parse_budget(budget)
     itemsize, w_itemsize = torch.finfo(dtype).bits // 8, torch.finfo(weight_dtype).bits // 8
     limit = amount * (n * v * itemsize if kind == "logits" else 1)
     per_row = _per_row(v, itemsize)
@@ -171,9 +133,9 @@ def plan(
 ) -> Plan:
     """The strategy for one site (``strategy`` and ``budget`` default to ``config``'s); ``n`` None
     means a dynamic number of rows (planned as DYNAMIC_ROWS); ``device`` is the inputs' device type."""
-    strategy = check_strategy(strategy if strategy is not None else config.strategy())
+    strategy = config.check_strategy(strategy if strategy is not None else config.strategy())
     budget = budget if budget is not None else config.store_budget()
-    parse_budget(budget)
+    config.parse_budget(budget)
     if strategy == "recompute":
         return Plan("recompute", reason="strategy='recompute'")
     why = store_unsupported(reduction, label_smoothing, softcap, lse_used, needs)
@@ -189,7 +151,7 @@ def plan(
         extra, fp32_acc = store_bytes(n, v, d, itemsize, w_itemsize, rows, needs[1])
         return Plan("store", rows, fp32_acc, extra, budget=str(budget))
     smallest = store_bytes(n, v, d, itemsize, w_itemsize, min(n, MIN_CHUNK_ROWS), needs[1])[0]
-    kind, amount = parse_budget(budget)
+    kind, amount = config.parse_budget(budget)
     limit = amount * (n * v * itemsize if kind == "logits" else 1)
     return Plan("recompute", reason=f"store needs at least {_mib(smallest)}, over the budget of {_mib(limit)}")
 
