@@ -106,7 +106,7 @@ def _fold_loops(gm: GraphModule, allow_escaping: bool, can_return: bool) -> None
     user's bounded memory."""
     def over_logits(loop) -> bool:
         bases = {b if loop.rows else b.args[0] for p in loop.pieces for b in p.values()}
-        return any(isinstance(_logits.trace(b), _logits.Logits) for b in bases)
+        return any(isinstance(_logits.trace(b), _logits.LogitsChain) for b in bases)
 
     loops = [lp for lp in _unloop.find(gm.graph) if over_logits(lp)]
     if not loops:
@@ -171,7 +171,7 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: boo
         return None
     site = Site(found.pattern, False, "", node.name, head=found.head)
     heads = [] if declined else [found]
-    if isinstance(chain, _logits.Logits):
+    if isinstance(chain, _logits.LogitsChain):
         _report.describe(site, chain)
     if declined or isinstance(chain, Decline):  # the idiom's own reason first, whatever the walk found
         outcome = found if declined else chain
@@ -190,8 +190,8 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: boo
     return site, outcome, heads
 
 
-def _other_heads(found: LossSite, chain: _logits.Logits, candidates: dict) -> list:
-    """(LossSite, Logits) of the other heads over the same lm_head matmul: candidates among the users
+def _other_heads(found: LossSite, chain: _logits.LogitsChain, candidates: dict) -> list:
+    """(LossSite, LogitsChain) of the other heads over the same lm_head matmul: candidates among the users
     of its logits (and of what ``found`` derives from them), HEAD_DEPTH levels deep, that an idiom
     matches and whose logits walk back to that matmul (the plan checks they are the same logits)."""
     heads, seen, frontier = [], {found.loss}, [*chain.nodes, *found.consumed]
@@ -204,7 +204,7 @@ def _other_heads(found: LossSite, chain: _logits.Logits, candidates: dict) -> li
         for u in users:
             other = _match(u, candidates[u]) if u in candidates else None
             walk = _logits.trace(other.logits) if isinstance(other, LossSite) else None
-            if isinstance(walk, _logits.Logits) and walk.matmul is chain.matmul:
+            if isinstance(walk, _logits.LogitsChain) and walk.matmul is chain.matmul:
                 heads.append((other, walk))
         frontier = users
     return heads

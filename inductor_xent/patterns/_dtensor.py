@@ -10,7 +10,7 @@ With ``ColwiseParallel`` on the lm_head (torchtitan's spelling), Dynamo's graph 
     loss = F.cross_entropy(z_dt.flatten(0, 1).float(), y)        # under loss_parallel(): a DTensor
 
 ``redistribute`` and ``full_tensor`` keep a DTensor's global value, and so does ``to_local`` of a
-replicated one: the walk back from the loss passes them (``step``). The site is then rewritten as
+replicated one: the walk back from the loss passes them (``passes``). The site is then rewritten as
 usual with DTensor hidden states and weight, and ``inductor_xent.distributed`` (imported here
 on first use) gives the op its vocabulary-parallel rules. The op's outputs are replicated DTensors:
 the rewrite takes their local tensors for the reduction and makes the loss a DTensor again where
@@ -40,9 +40,9 @@ def involved(chain) -> bool:
     return _is_dtensor(tval(chain.weight)) or _is_dtensor(tval(chain.hidden))
 
 
-def step(node: Node) -> Optional[tuple[str, Node, Any]]:
-    """A DTensor op between the matmul and the loss that keeps the logits' global value, as a
-    ``_logits`` step ("noop", input, None); None for anything else."""
+def passes(node: Node) -> Optional[Node]:
+    """The input of ``node`` when it is a DTensor op between the matmul and the loss that keeps the
+    logits' global value (a ``_steps.Noop``); None for anything else."""
     call = compat.dtensor_method(node) if node.op in ("call_method", "call_function") else None
     first = arg(node, 0, "input")
     if call is None or not isinstance(first, Node):
@@ -52,9 +52,9 @@ def step(node: Node) -> Optional[tuple[str, Node, Any]]:
     if not _is_dtensor(src) or kwargs.get("grad_placements") is not None:
         return None
     if name in ("redistribute", "full_tensor") and not (name == "full_tensor" and args):
-        return "noop", first, None
+        return first
     if name == "to_local" and not args and all(p.is_replicate() for p in src.placements):
-        return "noop", first, None
+        return first
     return None
 
 

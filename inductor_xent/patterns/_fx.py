@@ -109,6 +109,23 @@ def permutation(node: Node) -> Optional[tuple]:
     return perm if None not in perm and sorted(perm) == list(range(n)) else None
 
 
+# ``depends_on`` gives up (answers True) past this many nodes
+DEPENDS_LIMIT = 100_000
+
+
+def depends_on(node: Node, target: Node) -> bool:
+    """True when ``target`` is among ``node``'s inputs, transitively (or the graph is too large to tell)."""
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n is target or len(seen) > DEPENDS_LIMIT:
+            return True
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return False
+
+
 def number(x: Any) -> Optional[float]:
     """A Python int/float constant as float (bools and symbolic values excluded), else None."""
     if isinstance(x, bool) or not isinstance(x, (int, float)):

@@ -26,8 +26,9 @@ from .. import strategy
 from ..options import FLOAT_DTYPES
 from . import _dtensor, _logits, _mutation
 from ._fx import arg, hint, is_call, numel_hint, same, tval
-from ._logits import Logits
+from ._logits import LogitsChain
 from ._site import NO_IGNORE, Decline, LossSite, ids_base, lse_of
+from ._steps import SPLITS, Permute, Slice, Step, step_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"
@@ -39,25 +40,24 @@ MAX_HOISTED = 32
 @dataclass
 class Returned:
     """A tensor the graph returns that follows from the raw logits the op writes (escape.py): the
-    walk's nodes after ``raw_at`` up to ``walk.nodes[at]``, then ``tail`` (nodes after the walk that
+    walk's nodes after ``raw_at`` up to ``walk.nodes[at]``, then ``tail`` (steps after the walk that
     only lead to the output, e.g. accelerate's ``convert_outputs_to_fp32`` upcast), each a cast, a
-    view, a Python-number scale or a tanh."""
+    view, a Python-number scale or a tanh (``Step.returnable``)."""
 
-    walk: Logits
+    walk: LogitsChain
     at: int
-    tail: list  # [(node, kind, payload)], each the only user of the one before
+    tail: list[Step]  # each the only user of the one before
 
     @property
     def node(self) -> Node:
         """The node the output reads."""
-        return self.tail[-1][0] if self.tail else self.walk.nodes[self.at]
+        return self.tail[-1].node if self.tail else self.walk.nodes[self.at]
 
     @property
-    def replayed(self) -> list:
-        """[(node, kind, payload)] from the raw logits to ``node``, in order."""
+    def replayed(self) -> list[Step]:
+        """The steps from the raw logits to ``node``, in order."""
         w = self.walk
-        return [(n, k, p) for n, (k, p) in zip(w.nodes[w.raw_at + 1: self.at + 1], w.kinds[w.raw_at + 1: self.at + 1])
-                ] + self.tail
+        return [*w.steps[w.raw_at: self.at], *self.tail]
 
 
 @dataclass
@@ -65,8 +65,8 @@ class Plan:
     """How to rewrite the heads over one lm_head's logits: one op, placed right before ``anchor``
     (the first node it replaces), after ``hoist``."""
 
-    heads: list  # (LossSite, Logits) of every head over these logits, the driver's first
-    logits: Logits  # the op's rows and values: the walk of the first head that is not an argmax
+    heads: list  # (LossSite, LogitsChain) of every head over these logits, the driver's first
+    logits: LogitsChain  # the op's rows and values: the walk of the first head that is not an argmax
     anchor: Node
     hoist: list  # target computations that came after the anchor, in graph order
     lse_users: dict  # logsumexp of the same logits -> (the walk, position of the node it reads, keepdim)
@@ -74,7 +74,7 @@ class Plan:
     owned: list  # what the rewrite erases once dead: the heads, their walks, the rows of a stacked logsumexp
     dtype: torch.dtype  # what the op computes from: the matmul's dtype (autocast's, when it casts)
     returned: list = field(default_factory=list)  # [Returned]: logits the op writes for the graph's output
-    siblings: list = field(default_factory=list)  # (LossSite, Logits) over other row slices: their own sites
+    siblings: list = field(default_factory=list)  # (LossSite, LogitsChain) over other row slices: their own sites
 
     @property
     def autocast(self) -> bool:
@@ -117,7 +117,7 @@ class Plan:
 
 def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
          siblings: Optional[list] = None) -> Union[Plan, Decline]:
-    """The rewrite of ``heads`` ((LossSite, Logits) pairs over one matmul, the driver's first), or
+    """The rewrite of ``heads`` ((LossSite, LogitsChain) pairs over one matmul, the driver's first), or
     why there is none. ``can_return``: the caller hands the returned logits to escape.wrap, so
     logits that are only returned (``torch.compile(model)``) are written by the op instead.
     ``siblings``: heads over other row slices of these logits, each rewritten as a site of its own
@@ -133,7 +133,7 @@ def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     lse_users = _logsumexps(heads, chain, read, owned)
     theirs = {n for _, c in siblings for n in c.nodes}
     # z.split(k) whose chunks are all read by these heads or their siblings: no other user
-    owned.update(dict.fromkeys(u for n in read for u in n.users if is_call(u, _logits.SPLITS)
+    owned.update(dict.fromkeys(u for n in read for u in n.users if is_call(u, SPLITS)
                                and all(g in read or g in theirs for g in u.users)))
     escapes = list(dict.fromkeys(u for n in read for u in n.users
                                  if u not in owned and u not in lse_users and u not in theirs))
@@ -150,7 +150,7 @@ def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     if not reason and escapes and can_return:
         returned, why_not = _returnable(heads, chain, read, escapes)
         escapes = [] if returned else escapes
-        owned.update(dict.fromkeys(n for r in returned for n, _, _ in r.tail))  # dead once the output reads the op
+        owned.update(dict.fromkeys(s.node for r in returned for s in r.tail))  # dead once the output reads the op
         if why_not and not allow_escaping and any(u.op == "output" for u in escapes):
             return Decline(None, site.loss, f"{ESCAPE_REASON}, and {why_not}", logits_escape=True)
     if not reason and escapes and not allow_escaping:
@@ -167,12 +167,7 @@ def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned, siblings)
 
 
-# what may sit between the raw logits the op writes and a returned tensor: the graph replays these
-# nodes on the op's logits, and escape.EscapedLogits their math in its backward
-RETURNABLE_STEPS = ("cast", "view", "noop", "scale", "tanh")
-
-
-def _returnable(heads: list, chain: Logits, read: dict, escapes: list) -> tuple[list, Optional[str]]:
+def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> tuple[list, Optional[str]]:
     """([Returned], None) when the op can write the logits the graph returns (escape.py), else
     ([], why not). Every other user of the logits must lead only to the graph's output, through
     casts, views, Python-number scales and a softcap's tanh from the raw logits (matmul + bias),
@@ -185,7 +180,7 @@ def _returnable(heads: list, chain: Logits, read: dict, escapes: list) -> tuple[
         return [], "a tensor scale folded into the weight changes the op's raw logits"
     if chain.bias_shift or chain.row_scaled:
         return [], "a number added before the softcap, or a per-row temperature, changes the op's raw logits"
-    if any(op[0] in ("slice", "permute") for _, op in chain.shape_ops):
+    if any(isinstance(op, (Slice, Permute)) for _, op in chain.shape_ops):
         return [], "the loss reads a slice or permutation of the rows of the returned logits"
     returned = []
     for n in read:
@@ -197,27 +192,24 @@ def _returnable(heads: list, chain: Logits, read: dict, escapes: list) -> tuple[
             if walk is None or walk.nodes.index(n) < walk.raw_at:
                 return [], f"the returned {n.name} is not the lm_head's output (with its bias) or computed from it"
             r = Returned(walk, walk.nodes.index(n), tail)
-            if any(not _replayable(kind, payload) for _, kind, payload in r.replayed):
+            # the graph replays these steps on the op's logits, escape.EscapedLogits their math in its backward
+            if any(not s.returnable for s in r.replayed):
                 return [], f"the returned {r.node.name} is computed from the lm_head's output by more than casts, " \
                            "views and scales"
             returned.append(r)
     return returned, None
 
 
-def _replayable(kind: str, payload) -> bool:
-    return kind in RETURNABLE_STEPS and (kind != "view" or payload[0] in ("reshape", "flatten"))
-
-
-def _tail(n: Node, u: Node) -> Optional[list]:
-    """[(node, kind, payload)] from ``u`` (a user of ``n``) to the node the graph's output reads,
-    when each is a step of the logits (``_logits.step_of``) whose only user is the next or the output;
-    [] when ``u`` is the output; None otherwise."""
+def _tail(n: Node, u: Node) -> Optional[list[Step]]:
+    """The steps from ``u`` (a user of ``n``) to the node the graph's output reads, when each is a
+    step of the logits (``_steps.step_of``) whose only user is the next or the output; [] when ``u``
+    is the output; None otherwise."""
     tail, src = [], n
     while u.op != "output":
-        step = _logits.step_of(u)
-        if step is None or step[1] is not src or len(u.users) != 1:
+        step = step_of(u)
+        if step is None or step.src is not src or len(u.users) != 1:
             return None
-        tail.append((u, step[0], step[2]))
+        tail.append(step)
         src, u = u, next(iter(u.users))
     return tail
 
@@ -226,7 +218,7 @@ def _with_target(heads: list) -> Optional[LossSite]:
     return next((h for h, _ in heads if h.target is not None), None)
 
 
-def _logsumexps(heads: list, chain: Logits, read: dict, owned: dict) -> dict:
+def _logsumexps(heads: list, chain: LogitsChain, read: dict, owned: dict) -> dict:
     """The logsumexps of the final logits that read the op's lse instead: the heads' own (first: a
     stacked one's rows join ``read`` and ``owned``) and the other users' (a z-loss). One that only
     the replaced heads read joins ``owned`` instead (erased with them)."""
@@ -247,7 +239,7 @@ def _logsumexps(heads: list, chain: Logits, read: dict, owned: dict) -> dict:
     return lse_users
 
 
-def _heads_reason(heads: list, chain: Logits) -> Optional[str]:
+def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
     """Why these heads cannot share one op call, or None."""
     if any(not _logits.same_logits(chain, c, monotone=h.head == "argmax") for h, c in heads):
         return ("heads of one lm_head read different logits (another scale or temperature, softcap or rows): "
@@ -264,7 +256,7 @@ def _heads_reason(heads: list, chain: Logits) -> Optional[str]:
     return None
 
 
-def _inputs_reason(heads: list, chain: Logits) -> Optional[str]:
+def _inputs_reason(heads: list, chain: LogitsChain) -> Optional[str]:
     """Why the op cannot take these inputs (dtypes, devices, DTensor layouts, rows), or None."""
     tx, tw = tval(chain.hidden), tval(chain.weight)
     tb = tval(chain.bias) if chain.bias is not None else None
@@ -309,7 +301,7 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
     return sorted(late, key=order.__getitem__)
 
 
-def _grad_mode_between(gm, order: dict, chain: Logits, last: Node) -> Optional[str]:
+def _grad_mode_between(gm, order: dict, chain: LogitsChain, last: Node) -> Optional[str]:
     """A reason when moving the matmul's work to the op, placed before the first node it replaces,
     could change what it computes: a grad-mode change (``with torch.no_grad():`` around the lm_head
     only, or around one of its heads or logsumexps) between the matmul and ``last`` of those."""
@@ -322,26 +314,26 @@ def _grad_mode_between(gm, order: dict, chain: Logits, last: Node) -> Optional[s
     return None
 
 
-def op_dtype(chain: Logits) -> torch.dtype:
+def op_dtype(chain: LogitsChain) -> torch.dtype:
     """The dtype the op computes from: the matmul's example value's, which under autocast is
     autocast's dtype (bfloat16, float16) while the hidden states and weight are fp32."""
     return tval(chain.matmul).dtype
 
 
-def gradients(p: Plan, which: Optional[str], budget) -> strategy.Plan:
-    """How the rewritten site computes its gradients (strategy.plan, from the example values' sizes
+def gradients(p: Plan, which: Optional[str], budget) -> strategy.GradientPlan:
+    """How the rewritten site computes its gradients (strategy.choose, from the example values' sizes
     as hints and their requires_grad: which gradients the graph will ask for)."""
     site, chain = p.site, p.logits
     if p.log_probs_op:
-        return strategy.Plan("recompute", reason="the log-probs op (entropy, argmax) recomputes")
+        return strategy.GradientPlan("recompute", reason="the log-probs op (entropy, argmax) recomputes")
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
-        return strategy.Plan("recompute", reason="no vocabulary-parallel store kernel")
+        return strategy.GradientPlan("recompute", reason="no vocabulary-parallel store kernel")
     tx = tval(chain.hidden)
     v, d = chain.vd
     n = numel_hint(tx)
     n = None if n is None else n // max(1, hint(d) or 1)
     reduced = len(p.heads) == 1 and site.head == "cross_entropy"  # store gives one reduced loss
-    return strategy.plan(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
-                         reduction=site.reduction if reduced else "none", needs=p.needs,
-                         label_smoothing=site.label_smoothing, softcap=chain.softcap,
-                         lse_used=bool(p.lse_users), strategy=which, budget=budget, device=tx.device.type)
+    return strategy.choose(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
+                           reduction=site.reduction if reduced else "none", needs=p.needs,
+                           label_smoothing=site.label_smoothing, softcap=chain.softcap,
+                           lse_used=bool(p.lse_users), strategy=which, budget=budget, device=tx.device.type)

@@ -12,7 +12,7 @@ from torch.fx import Node
 from .. import strategy
 from . import _dtensor, _unloop
 from ._fx import hint, tval
-from ._logits import Logits
+from ._logits import LogitsChain
 from ._plan import Plan
 from ._site import NO_IGNORE
 
@@ -42,11 +42,11 @@ class Site:
     logits_escape: bool = False  # the logits are a graph output
     logits_input: bool = False  # the logits are a graph input (a graph break before the loss)
     logits_returned: bool = False  # the logits are also returned: the op writes them (escape.py)
-    strategy: str = ""  # how a fused site computes its gradients (strategy.Plan.describe())
+    strategy: str = ""  # how a fused site computes its gradients (strategy.GradientPlan.describe())
     extra_bytes: Optional[int] = None  # the strategy's estimated extra memory (at the example sizes)
 
 
-def describe(site: Site, chain: Logits) -> None:
+def describe(site: Site, chain: LogitsChain) -> None:
     """Fill in the sizes of ``site`` from its logits."""
     tz = tval(chain.matmul)
     v, d = chain.vd
@@ -57,7 +57,7 @@ def describe(site: Site, chain: Logits) -> None:
     site.logits_bytes = None if n is None or site.vocab is None else n * site.vocab * tz.element_size()
 
 
-def fused(site: Site, plan: Plan, how: strategy.Plan, bytes_avoided: int) -> None:
+def fused(site: Site, plan: Plan, how: strategy.GradientPlan, bytes_avoided: int) -> None:
     """Mark ``site`` fused, saying what the op took over."""
     loss, chain = plan.site, plan.logits
     ce = next((h for h, _ in plan.heads if h.head == "cross_entropy"), None)

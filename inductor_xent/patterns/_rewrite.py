@@ -16,6 +16,7 @@ from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import Plan
 from ._site import NO_IGNORE
+from ._steps import CAST_METHODS, RowScale
 
 NEG = (operator.neg, torch.neg, "neg")
 
@@ -23,7 +24,7 @@ NEG = (operator.neg, torch.neg, "neg")
 _VIEWS = ("view", "reshape", "flatten", "contiguous", "transpose", "t", "permute", "squeeze", "unsqueeze")
 
 
-def rewrite(gm, plan: Plan, how: strategy.Plan, erased: set) -> int:
+def rewrite(gm, plan: Plan, how: strategy.GradientPlan, erased: set) -> int:
     """Replace ``plan``'s heads in ``gm``; the bytes of [N, V]-sized buffers it no longer computes.
     Nodes erased are added to ``erased``."""
     site, chain, graph = plan.site, plan.logits, gm.graph
@@ -131,12 +132,11 @@ def _return_logits(gm, e: Emitter, plan: Plan, out: Node, index: int) -> None:
     records = gm.meta.setdefault(escape.META_KEY, (None, []))[1]
     for r in plan.returned:
         value, steps = raw, []
-        for m, kind, payload in r.replayed:  # each reads the one before (its step's logits input)
-            src = _logits.step_of(m)[1]
+        for step in r.replayed:  # each reads the one before (its logits input)
             with graph.inserting_before(output):
-                value = graph.node_copy(m, lambda a, src=src, prev=value: prev if a is src else a)
-            if kind in ("cast", "scale", "tanh"):
-                steps.append((kind, tval(m).dtype if kind == "cast" else payload))
+                value = graph.node_copy(step.node, lambda a, src=step.src, prev=value: prev if a is src else a)
+            if step.escape() is not None:
+                steps.append(step.escape())
         output.replace_input_with(r.node, value)
         for i, o in enumerate(output.args[0]):
             if o is value:
@@ -156,7 +156,7 @@ def _operand(gm, output: Node, node: Node) -> tuple[str, int]:
     return ("out", outs.index(node))
 
 
-def _rows_like(e: Emitter, value: Node, c: _logits.Logits, position: int, keepdim: bool, hidden: Node,
+def _rows_like(e: Emitter, value: Node, c: _logits.LogitsChain, position: int, keepdim: bool, hidden: Node,
                all_ops: list, d) -> Node:
     """``value`` (one per row of the op, in its order) shaped as the rows of ``c.nodes[position]``
     (then with a trailing 1 when ``keepdim``); ``hidden`` is the op's hidden states before
@@ -164,13 +164,13 @@ def _rows_like(e: Emitter, value: Node, c: _logits.Logits, position: int, keepdi
     if tval(c.nodes[position]).dim() == 2 and not keepdim:
         return value  # one per row, in row order: exactly the op's
     upto = [op for i, op in c.shape_ops if i <= position]
-    # only the shape matters here: per-row factors are left out
-    like = hidden if upto == all_ops else _logits.replay(e, c.hidden, [op for op in upto if op[0] != "row_scale"], d)
+    shaping = [op for op in upto if not isinstance(op, RowScale)]  # only the shape matters here
+    like = hidden if upto == all_ops else _logits.replay(e, c.hidden, shaping, d)
     value = e.method("view", value, e.getitem(e.method("size", like), slice(None, -1)))
     return e.method("unsqueeze", value, -1) if keepdim else value
 
 
-def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.Logits, folded: list) -> None:
+def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.LogitsChain, folded: list) -> None:
     """Make ``node``'s users read ``value`` (minus it when ``negative``): a negation that is the
     node's only user reads ``value`` itself instead (``-F.cross_entropy(..., reduction="none")``,
     ``-(p * logp).sum(-1)`` cost no negation)."""
@@ -195,7 +195,7 @@ def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
     avoided = 0
     n_rows_v = numel_hint(tval(chain.matmul))
     # recreated from the op's logits (the raw logits included): not avoided
-    returned = {n for r in plan.returned for n in (*r.walk.nodes[: r.walk.raw_at + 1], *(m for m, _, _ in r.replayed))}
+    returned = {n for r in plan.returned for n in (*r.walk.nodes[: r.walk.raw_at + 1], *(s.node for s in r.replayed))}
     changed = True
     while changed:
         changed = False
@@ -204,7 +204,7 @@ def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
                 continue
             t = tval(n)
             is_view = n.op == "call_method" and n.target in _VIEWS or n.target is operator.getitem
-            if n.op == "call_method" and n.target in _logits.CAST_METHODS:
+            if n.op == "call_method" and n.target in CAST_METHODS:
                 src = tval(arg(n, 0, "input"))
                 is_view = src is not None and t is not None and src.dtype == t.dtype
             if t is not None and not is_view and n_rows_v and numel_hint(t) == n_rows_v and n not in returned:

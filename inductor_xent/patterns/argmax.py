@@ -15,8 +15,9 @@ import torch
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, tval
-from ._logits import STEPS, is_matmul
+from ._logits import is_matmul
 from ._site import LossSite, log_probs_of, probs_of
+from ._steps import MATCHERS
 
 PATTERN = "argmax"
 TARGETS = (torch.argmax, "argmax")
@@ -31,6 +32,6 @@ def match(node: Node):
     if normalised is not None and normalised.dim == t.dim() - 1:
         return LossSite(PATTERN, node, normalised.logits, None, normalised.nodes, head="argmax", keepdim=keep,
                         needs_lse_of=normalised.lse)
-    if not (is_matmul(src) or is_call(src, tuple(STEPS))):
+    if not (is_matmul(src) or is_call(src, tuple(MATCHERS))):
         return None  # e.g. of per-token log-probs or ratios computed from the logits: not a prediction
     return LossSite(PATTERN, node, src, None, head="argmax", keepdim=keep)

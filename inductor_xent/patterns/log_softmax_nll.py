@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ._fx import arg, bind, is_call, norm_dim, same, tval
-from ._logits import STEPS, VIEWS
 from ._site import (
     Decline,
     LossSite,
@@ -30,6 +29,7 @@ from ._site import (
     unbroadcast,
     vocab_last,
 )
+from ._steps import VIEWS, step_of
 
 PATTERN = "log_softmax_nll"
 TARGETS = (F.nll_loss, torch.gather, "gather")
@@ -40,11 +40,11 @@ def _strip_views(node: Node) -> tuple[Node, tuple]:
     """Row views between log_softmax and the loss (``logp.view(-1, V)``), which commute with it."""
     views = []
     while is_call(node, VIEWS) and tval(node) is not None:
-        step = STEPS[node.target](node, tval(node))  # the views the walk back from the logits folds
+        step = step_of(node)  # the views the walk back from the logits folds
         if step is None:
             break
         views.append(node)
-        node = step[1]
+        node = step.src
     return node, tuple(views)
 
 

@@ -18,8 +18,8 @@ import torch
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
-from ._logits import CAST_METHODS
 from ._site import Decline, LossSite, integer_target, lse_of
+from ._steps import CAST_METHODS
 
 PATTERN = "logsumexp_minus_gather"
 TARGETS = (operator.sub, torch.sub, "sub")

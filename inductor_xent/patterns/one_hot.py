@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
-from ._logits import CAST_METHODS
 from ._site import Decline, LossSite, integer_target, log_softmax
+from ._steps import CAST_METHODS
 
 PATTERN = "one_hot"
 TARGETS = (torch.sum, "sum")
