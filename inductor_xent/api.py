@@ -73,7 +73,7 @@ def linear_cross_entropy(
     if store_budget is not None:
         config.parse_budget(store_budget)  # a clear error for the value as given
     budget = str(store_budget) if store_budget is not None else config.store_budget()
-    which = _plan(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
+    which = _choose(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
                   float(label_smoothing), softcap, strategy, budget, hidden2d.device.type)
     if which == "store":  # chunks sized by the op at run time, from the budget
         # eagerly through store_consuming_gradients: the gradient outputs are dropped here, so the
@@ -232,9 +232,9 @@ def _sizes(hidden2d, weight):
 
 
 @torch.compiler.assume_constant_result
-def _plan(n, d, v, dtype, weight_dtype, reduction, needs, label_smoothing, softcap, which, budget, device):
-    """``strategy.plan``'s strategy; under torch.compile Dynamo runs it once while tracing and keeps
+def _choose(n, d, v, dtype, weight_dtype, reduction, needs, label_smoothing, softcap, which, budget, device):
+    """``strategy.choose``'s strategy; under torch.compile Dynamo runs it once while tracing and keeps
     the result as a constant (its arguments are all Python constants)."""
-    return strategies.plan(n, d, v, dtype, weight_dtype, reduction=reduction, needs=needs,
-                         label_smoothing=label_smoothing, softcap=softcap, strategy=which, budget=budget,
-                         device=device).strategy
+    return strategies.choose(n, d, v, dtype, weight_dtype, reduction=reduction, needs=needs,
+                             label_smoothing=label_smoothing, softcap=softcap, strategy=which, budget=budget,
+                             device=device).strategy

@@ -10,14 +10,14 @@
 * ``auto`` (default): ``store`` when the reduction allows it and its extra memory fits the budget,
   else ``recompute``.
 
-``plan`` decides from static facts (shapes, dtypes, reduction, which gradients are needed), so
+``choose`` decides from static facts (shapes, dtypes, reduction, which gradients are needed), so
 the functional API and the graph pass take the same decision, and ``explain`` can show it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Literal, Optional
 
 import torch
 
@@ -46,8 +46,10 @@ STORE_MIN_D_CUDA = 2048
 
 
 @dataclass(frozen=True)
-class Plan:
-    strategy: str  # "recompute" | "store"
+class GradientPlan:
+    """How one site computes its gradients (``choose``'s answer; ``explain`` shows ``describe()``)."""
+
+    strategy: Literal["recompute", "store"]
     chunk_rows: int = 0  # store: rows per chunk
     fp32_accumulate: bool = False  # store: weight/bias gradients accumulate in fp32
     extra_bytes: int = 0  # estimated extra memory of the chosen strategy (at the planned N)
@@ -125,35 +127,36 @@ def chunk_rows(n: int, v: int, d: int, dtype: torch.dtype, weight_dtype: torch.d
     return 0
 
 
-def plan(
+def choose(
     n: Optional[int], d: int, v: int, dtype: torch.dtype, weight_dtype: torch.dtype, *,
     reduction: str, needs: tuple[bool, bool, bool], label_smoothing: float = 0.0,
     softcap: Optional[float] = None, lse_used: bool = False,
     strategy: Optional[str] = None, budget: Optional[str | int | float] = None, device: str = "cuda",
-) -> Plan:
+) -> GradientPlan:
     """The strategy for one site (``strategy`` and ``budget`` default to ``config``'s); ``n`` None
     means a dynamic number of rows (planned as DYNAMIC_ROWS); ``device`` is the inputs' device type."""
     strategy = config.check_strategy(strategy if strategy is not None else config.strategy())
     budget = budget if budget is not None else config.store_budget()
     config.parse_budget(budget)
     if strategy == "recompute":
-        return Plan("recompute", reason="strategy='recompute'")
+        return GradientPlan("recompute", reason="strategy='recompute'")
     why = store_unsupported(reduction, label_smoothing, softcap, lse_used, needs)
     if why:
-        return Plan("recompute", reason="store cannot run: " + why)
+        return GradientPlan("recompute", reason="store cannot run: " + why)
     if strategy == "auto" and device == "cuda" and d < STORE_MIN_D_CUDA:
-        return Plan("recompute", reason=f"D = {d} < {STORE_MIN_D_CUDA}: at small D store's passes over "
-                                        "[N, V] cost more than the GEMM it saves")
+        return GradientPlan("recompute", reason=f"D = {d} < {STORE_MIN_D_CUDA}: at small D store's passes over "
+                                                "[N, V] cost more than the GEMM it saves")
     n = DYNAMIC_ROWS if n is None else max(int(n), 1)
     rows = chunk_rows(n, v, d, dtype, weight_dtype, needs[1], budget)
     itemsize, w_itemsize = torch.finfo(dtype).bits // 8, torch.finfo(weight_dtype).bits // 8
     if rows:
         extra, fp32_acc = store_bytes(n, v, d, itemsize, w_itemsize, rows, needs[1])
-        return Plan("store", rows, fp32_acc, extra, budget=str(budget))
+        return GradientPlan("store", rows, fp32_acc, extra, budget=str(budget))
     smallest = store_bytes(n, v, d, itemsize, w_itemsize, min(n, MIN_CHUNK_ROWS), needs[1])[0]
     kind, amount = config.parse_budget(budget)
     limit = amount * (n * v * itemsize if kind == "logits" else 1)
-    return Plan("recompute", reason=f"store needs at least {_mib(smallest)}, over the budget of {_mib(limit)}")
+    return GradientPlan("recompute",
+                        reason=f"store needs at least {_mib(smallest)}, over the budget of {_mib(limit)}")
 
 
 def _mib(n) -> str:

@@ -113,23 +113,23 @@ def test_strategies_agree(strategy, reduction):
 def test_budget_too_small_falls_back_to_recompute():
     from inductor_xent import strategy
 
-    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
-                         needs=(True, True, False), strategy="auto", budget="16MiB")
+    plan = strategy.choose(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                           needs=(True, True, False), strategy="auto", budget="16MiB")
     assert plan.strategy == "recompute" and "over the budget of 16 MiB" in plan.reason
-    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
-                         needs=(True, True, False), strategy="auto", budget="4GiB")
+    plan = strategy.choose(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                           needs=(True, True, False), strategy="auto", budget="4GiB")
     # the fewest chunks (one: 8192 rows) that fit 4 GiB
     assert plan.strategy == "store" and plan.chunk_rows == 8192 and plan.extra_bytes <= 4 * 2**30
-    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
-                         needs=(True, True, False), strategy="auto", budget="1x")
+    plan = strategy.choose(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                           needs=(True, True, False), strategy="auto", budget="1x")
     # 1x (the bf16 logits) fits two balanced chunks, not one; a bf16 weight gradient rounded twice
     assert plan.strategy == "store" and plan.chunk_rows == 4096 and not plan.fp32_accumulate
-    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
-                         needs=(True, True, False), strategy="auto", budget="0.5x")
+    plan = strategy.choose(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                           needs=(True, True, False), strategy="auto", budget="0.5x")
     # 0.5x would take more than LOWP_ACCUMULATE_CHUNKS chunks, and then the fp32 accumulator does not fit
     assert plan.strategy == "recompute"
-    plan = strategy.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="none",
-                         needs=(True, True, False), strategy="store")
+    plan = strategy.choose(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="none",
+                           needs=(True, True, False), strategy="store")
     assert plan.strategy == "recompute" and "reduction='none'" in plan.reason
 
 
@@ -141,11 +141,11 @@ def test_auto_takes_recompute_at_small_hidden_size_on_cuda():
 
     args = (16384, 768, 50257, torch.bfloat16, torch.bfloat16)
     kw = dict(reduction="mean", needs=(True, True, False), budget="1x")
-    small = strategy.plan(*args, strategy="auto", device="cuda", **kw)
+    small = strategy.choose(*args, strategy="auto", device="cuda", **kw)
     assert small.strategy == "recompute" and "D = 768 < 2048" in small.reason, small
-    assert strategy.plan(*args, strategy="store", device="cuda", **kw).strategy == "store"
-    assert strategy.plan(*args, strategy="auto", device="cpu", **kw).strategy == "store"
-    big = strategy.plan(8192, 2304, 256000, torch.bfloat16, torch.bfloat16, strategy="auto", device="cuda", **kw)
+    assert strategy.choose(*args, strategy="store", device="cuda", **kw).strategy == "store"
+    assert strategy.choose(*args, strategy="auto", device="cpu", **kw).strategy == "store"
+    big = strategy.choose(8192, 2304, 256000, torch.bfloat16, torch.bfloat16, strategy="auto", device="cuda", **kw)
     assert big.strategy == "store", big
 
 

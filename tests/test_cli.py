@@ -61,8 +61,8 @@ def test_demo_runs_and_fuses(capsys):
     from inductor_xent import strategy
 
     shape = demo.GPU_SHAPE if torch.cuda.is_available() else demo.CPU_SHAPE
-    plan = strategy.plan(None, shape["hidden"], shape["vocab"], shape["dtype"], shape["dtype"], reduction="mean",
-                         needs=(True, True, False), device="cuda" if torch.cuda.is_available() else "cpu")
+    plan = strategy.choose(None, shape["hidden"], shape["vocab"], shape["dtype"], shape["dtype"], reduction="mean",
+                           needs=(True, True, False), device="cuda" if torch.cuda.is_available() else "cpu")
     # the graph after the pass: auto's choice (CPU: store fits; the GPU demo's D = 1024: recompute)
     assert f"torch.ops.{ops.STORE if plan.strategy == 'store' else ops.FORWARD}" in out
     assert "memory saved per step" in out

@@ -175,8 +175,8 @@ def test_peak_memory_llama3_8b(strategy, budget):
     if strategy == "recompute":
         limit = 200 * 2**20
     else:
-        plan = strat.plan(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
-                          needs=(True, True, False), strategy="store", budget=budget)
+        plan = strat.choose(8192, 4096, 128256, torch.bfloat16, torch.bfloat16, reduction="mean",
+                            needs=(True, True, False), strategy="store", budget=budget)
         assert plan.strategy == "store" and plan.extra_bytes <= 8192 * 128256 * 2
         limit = plan.extra_bytes + gh.nbytes + gw.nbytes + 64 * 2**20
     assert extra <= limit, f"extra peak {extra / 2**20:.0f} MiB"
