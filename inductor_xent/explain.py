@@ -12,10 +12,11 @@ Dynamo tuning (``compat.tune_dynamo``) and traces inside ``compat.DynamoScope``,
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from . import compat, escape, patterns
-from .patterns import ESCAPE_HINT, Site
+from .patterns import ESCAPE_HINT, SiteReport
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
 # benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, which the default
@@ -43,7 +44,7 @@ NESTED_ON = (
 
 @dataclass
 class Report:
-    sites: list[Site] = field(default_factory=list)
+    sites: list[SiteReport] = field(default_factory=list)
     graph_count: int = 0
     graph_break_count: int = 0
     graph_break_reasons: list[str] = field(default_factory=list)  # the first line of each distinct one
@@ -93,7 +94,7 @@ def _strategy_word(site) -> str:
     """'store ~N MiB' / 'recompute' in the table; the reason column has the whole description."""
     if not site.fused:
         return "-"
-    if site.strategy.startswith("store"):
+    if site.strategy == "store":
         return f"store ~{_mib(site.extra_bytes)} MiB"
     return "recompute"
 
@@ -126,8 +127,7 @@ def explain(fn, *args, **kwargs) -> Report:
         new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
         report.graph_break_count = sum(new.values())
         report.graph_break_reasons = [_first_line(k) for k in new]
-        for site in report.sites:
-            site.reason = _with_break_hint(site, report, new)
+        report.sites = [dataclasses.replace(s, reason=_with_break_hint(s, report, new)) for s in report.sites]
     finally:
         torch._dynamo.reset()
     return report
@@ -137,7 +137,7 @@ def _first_line(text: str) -> str:
     return str(text).strip().splitlines()[0] if str(text).strip() else str(text)
 
 
-def _with_break_hint(site: Site, report: Report, breaks: dict) -> str:
+def _with_break_hint(site: SiteReport, report: Report, breaks: dict) -> str:
     """A declined site's reason, plus what to change when a graph break is the cause."""
     if site.fused or not breaks:
         return site.reason

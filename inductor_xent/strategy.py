@@ -45,11 +45,15 @@ STORE_TILE = {2: 256, 4: 128}
 STORE_MIN_D_CUDA = 2048
 
 
+# how a site computes its gradients: recompute the logits in the backward, or store them (chunked)
+Name = Literal["recompute", "store"]
+
+
 @dataclass(frozen=True)
 class GradientPlan:
     """How one site computes its gradients (``choose``'s answer; ``explain`` shows ``describe()``)."""
 
-    strategy: Literal["recompute", "store"]
+    strategy: Name
     chunk_rows: int = 0  # store: rows per chunk
     fp32_accumulate: bool = False  # store: weight/bias gradients accumulate in fp32
     extra_bytes: int = 0  # estimated extra memory of the chosen strategy (at the planned N)

@@ -6,7 +6,7 @@ other heads over the same logits, plans, rewrites or declines each site it finds
 the stages); when unsure, it declines.
 Every site bumps ``torch._dynamo.utils.counters["inductor_xent"]`` (``sites_fused`` /
 ``sites_declined``, ``fused.<pattern>`` / ``declined.<pattern>``), is logged on
-``logging.getLogger(__name__)`` (``TORCH_LOGS=inductor_xent``) and is returned as a ``Site`` (what
+``logging.getLogger(__name__)`` (``TORCH_LOGS=inductor_xent``) and is returned as a ``SiteReport`` (what
 ``inductor_xent.explain`` shows). ``TORCH_LOGS=+inductor_xent`` logs each graph before and after the
 pass, and ``TORCH_TRACE`` records them for tlparse (inductor_xent/logs.py).
 """
@@ -14,7 +14,7 @@ pass, and ``TORCH_TRACE`` records them for tlparse (inductor_xent/logs.py).
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
@@ -34,9 +34,9 @@ from . import (
     one_hot,
 )
 from ._fx import arg
-from ._plan import Plan
-from ._report import ESCAPE_HINT, Site
-from ._site import HEADS, Decline, LossSite
+from ._plan import SitePlan
+from ._report import ESCAPE_HINT, SiteReport
+from ._site import HEAD_KINDS, Decline, Head
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +51,8 @@ DONE = "inductor_xent_pass_done"  # gm.meta key set by run: the graph has been t
 
 
 def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optional[str] = None,
-        store_budget=None, can_return: bool = False) -> list[Site]:
-    """Rewrite every supported site of ``gm`` in place; return one ``Site`` per candidate.
+        store_budget=None, can_return: bool = False) -> list[SiteReport]:
+    """Rewrite every supported site of ``gm`` in place; return one ``SiteReport`` per candidate.
     ``strategy`` / ``store_budget`` override ``config``'s (see inductor_xent/strategy.py).
     ``can_return``: the caller compiles ``gm`` and applies ``escape.wrap`` to the result, so logits
     the graph returns can be written by the op (escape.py); the graph may then gain outputs."""
@@ -61,9 +61,9 @@ def run(gm: GraphModule, *, allow_escaping_logits: bool = False, strategy: Optio
 
 
 def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], store_budget,
-         can_return: bool) -> list[Site]:
+         can_return: bool) -> list[SiteReport]:
     logs.graph(log, gm, "before")
-    sites: list[Site] = []
+    sites: list[SiteReport] = []
     erased: set = set()
     reported: set = set()  # heads already in another head's site
     gm.meta[DONE] = True
@@ -77,17 +77,20 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
         if node in erased or node in reported:
             continue
         try:  # analysis is pure: a bug here declines the site instead of failing the user's compile
-            analysed = _analyse(gm, node, idioms, candidates, allow_escaping_logits, can_return)
+            found = _analyse(gm, node, idioms, candidates, allow_escaping_logits, can_return)
         except Exception as e:  # noqa: BLE001
             log.warning("inductor_xent: internal error analysing %s; site left alone", node.name, exc_info=True)
-            analysed = Site("unknown", False, f"internal error in the pass (please report): {e!r}", node.name), None, []
-        if analysed is None:
+            found = Analysis("unknown", node.name, ("cross_entropy",), None,
+                             Decline(None, node, f"internal error in the pass (please report): {e!r}"), [])
+        if found is None:
             continue
-        site, outcome, heads = analysed
-        reported.update(h.loss for h in heads)
-        if isinstance(outcome, Plan):  # rewrite (not guarded: a failure half way must not be swallowed)
-            how = _plan.gradients(outcome, strategy, store_budget)
-            _report.fused(site, outcome, how, _rewrite.rewrite(gm, outcome, how, erased))
+        reported.update(h.loss for h in found.heads)
+        if isinstance(found.outcome, SitePlan):  # rewrite (not guarded: a failure half way must not be swallowed)
+            how = _plan.gradients(found.outcome, strategy, store_budget)
+            avoided = _rewrite.rewrite(gm, found.outcome, how, erased)
+            site = _report.fused(found.pattern, found.node, found.kinds, found.outcome, how, avoided)
+        else:
+            site = _report.declined(found.pattern, found.node, found.kinds, found.chain, found.outcome)
         sites.append(site)
         kind = "fused" if site.fused else "declined"
         counters["inductor_xent"][f"sites_{kind}"] += 1
@@ -124,7 +127,7 @@ def _fold_loops(gm: GraphModule, allow_escaping: bool, can_return: bool) -> None
         except Exception:  # noqa: BLE001 - as in run: the loops stay as they are
             log.debug("inductor_xent: analysing the folded loops failed", exc_info=True)
             return
-        if analysed is not None and isinstance(analysed[1], Plan) and _report.unlooped(analysed[1]):
+        if analysed is not None and isinstance(analysed.outcome, SitePlan) and _report.unlooped(analysed.outcome):
             folded_fuses = True
     if folded_fuses:
         for loop in loops:
@@ -152,14 +155,25 @@ def _candidates(graph) -> dict[Node, list]:
     return dict(sorted(found.items()))
 
 
-def _match(node: Node, idioms: list) -> Union[LossSite, Decline, None]:
+def _match(node: Node, idioms: list) -> Union[Head, Decline, None]:
     return next((f for f in (idiom.match(node) for idiom in idioms) if f is not None), None)
 
 
+class Analysis(NamedTuple):
+    """What ``_analyse`` found at a candidate: its report's pattern, node name and head kinds, the
+    logits' chain (when the walk back found one), a plan or why not, the heads it covers."""
+
+    pattern: str
+    node: str
+    kinds: tuple
+    chain: Optional[_logits.LogitsChain]
+    outcome: Union[SitePlan, Decline]
+    heads: list
+
+
 def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: bool,
-             can_return: bool) -> Optional[tuple[Site, Union[Plan, Decline], list]]:
-    """(its Site, a Plan or a Decline, the heads it covers) for a candidate site at ``node``; None
-    when it is none."""
+             can_return: bool) -> Optional[Analysis]:
+    """The analysis of a candidate site at ``node``; None when it is none."""
     found = _match(node, idioms)
     if found is None:
         return None
@@ -169,29 +183,21 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: boo
     if chain is None:  # not over lm_head logits at all: not a candidate
         log.debug("inductor_xent: %s at %s is not over lm_head logits", found.pattern, node.name)
         return None
-    site = Site(found.pattern, False, "", node.name, head=found.head)
-    heads = [] if declined else [found]
-    if isinstance(chain, _logits.LogitsChain):
-        _report.describe(site, chain)
-    if declined or isinstance(chain, Decline):  # the idiom's own reason first, whatever the walk found
-        outcome = found if declined else chain
-    else:
-        others = _other_heads(found, chain, candidates)
-        # heads of other row slices of the same logits are sites of their own (analysed in turn)
-        siblings = [(h, c) for h, c in others if _logits.other_rows(chain, c)]
-        pairs = [(found, chain), *(p for p in others if p not in siblings)]
-        heads = [h for h, _ in pairs]
-        site.head = "+".join(k for k in HEADS if any(h.head == k for h in heads))
-        outcome = _plan.plan(gm, pairs, allow_escaping, can_return, siblings)
-    if isinstance(outcome, Decline):
-        site.reason, site.logits_escape, site.logits_input = outcome.reason, outcome.logits_escape, outcome.logits_input
-    else:
-        site.logits_escape = outcome.escapes_to_output
-    return site, outcome, heads
+    walked = chain if isinstance(chain, _logits.LogitsChain) else None
+    if declined or walked is None:  # the idiom's own reason first, whatever the walk found
+        return Analysis(found.pattern, node.name, (found.kind,), walked, found if declined else chain, [])
+    others = _other_heads(found, chain, candidates)
+    # heads of other row slices of the same logits are sites of their own (analysed in turn)
+    siblings = [(h, c) for h, c in others if _logits.other_rows(chain, c)]
+    pairs = [(found, chain), *(p for p in others if p not in siblings)]
+    heads = [h for h, _ in pairs]
+    kinds = tuple(k for k in HEAD_KINDS if any(h.kind == k for h in heads))
+    return Analysis(found.pattern, node.name, kinds, chain, _plan.decide(gm, pairs, allow_escaping, can_return,
+                                                                           siblings), heads)
 
 
-def _other_heads(found: LossSite, chain: _logits.LogitsChain, candidates: dict) -> list:
-    """(LossSite, LogitsChain) of the other heads over the same lm_head matmul: candidates among the users
+def _other_heads(found: Head, chain: _logits.LogitsChain, candidates: dict) -> list:
+    """(Head, LogitsChain) of the other heads over the same lm_head matmul: candidates among the users
     of its logits (and of what ``found`` derives from them), HEAD_DEPTH levels deep, that an idiom
     matches and whose logits walk back to that matmul (the plan checks they are the same logits)."""
     heads, seen, frontier = [], {found.loss}, [*chain.nodes, *found.consumed]
@@ -203,11 +209,11 @@ def _other_heads(found: LossSite, chain: _logits.LogitsChain, candidates: dict) 
                 users.append(u)
         for u in users:
             other = _match(u, candidates[u]) if u in candidates else None
-            walk = _logits.trace(other.logits) if isinstance(other, LossSite) else None
+            walk = _logits.trace(other.logits) if isinstance(other, Head) else None
             if isinstance(walk, _logits.LogitsChain) and walk.matmul is chain.matmul:
                 heads.append((other, walk))
         frontier = users
     return heads
 
 
-__all__ = ["DONE", "ESCAPE_HINT", "IDIOMS", "Site", "run"]
+__all__ = ["DONE", "ESCAPE_HINT", "IDIOMS", "SiteReport", "run"]

@@ -1,4 +1,4 @@
-"""Whether the heads found over one lm_head's logits can be rewritten, and how: a ``Plan``, or a
+"""Whether the heads found over one lm_head's logits can be rewritten, and how: a ``SitePlan``, or a
 ``Decline`` with the reason. What an idiom cannot see from its own node is checked here: that the
 heads read the same logits and targets (then one op call serves them all), dtypes and devices, the
 rows of the targets, the other users of the logits (a z-loss ``logsumexp`` is mapped onto the op's
@@ -8,7 +8,7 @@ grad-mode changes. Then ``gradients`` picks the site's strategy (strategy.py).
 Autocast (``torch.autocast`` around the compiled call, or entered inside it) leaves no node at the
 matmul: Dynamo traces the lm_head as ``linear(h, W)`` of fp32 tensors whose example value is
 bfloat16 (or float16). That example value says what eager computes, so the op takes the hidden
-states, weight and a linear's bias cast to the matmul's dtype (``Plan.dtype``), as autocast casts
+states, weight and a linear's bias cast to the matmul's dtype (``SitePlan.dtype``), as autocast casts
 them, and computes the loss in fp32 as autocast's fp32 list does for ``cross_entropy``; the
 gradients flow back through the casts to the fp32 parameters.
 """
@@ -27,7 +27,7 @@ from ..options import FLOAT_DTYPES
 from . import _dtensor, _logits, _mutation
 from ._fx import arg, hint, is_call, numel_hint, same, tval
 from ._logits import LogitsChain
-from ._site import NO_IGNORE, Decline, LossSite, ids_base, lse_of
+from ._site import NO_IGNORE, Decline, Head, ids_base, lse_of
 from ._steps import SPLITS, Permute, Slice, Step, step_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -61,11 +61,11 @@ class Returned:
 
 
 @dataclass
-class Plan:
+class SitePlan:
     """How to rewrite the heads over one lm_head's logits: one op, placed right before ``anchor``
     (the first node it replaces), after ``hoist``."""
 
-    heads: list  # (LossSite, LogitsChain) of every head over these logits, the driver's first
+    heads: list  # (Head, LogitsChain) of every head over these logits, the driver's first
     logits: LogitsChain  # the op's rows and values: the walk of the first head that is not an argmax
     anchor: Node
     hoist: list  # target computations that came after the anchor, in graph order
@@ -74,7 +74,7 @@ class Plan:
     owned: list  # what the rewrite erases once dead: the heads, their walks, the rows of a stacked logsumexp
     dtype: torch.dtype  # what the op computes from: the matmul's dtype (autocast's, when it casts)
     returned: list = field(default_factory=list)  # [Returned]: logits the op writes for the graph's output
-    siblings: list = field(default_factory=list)  # (LossSite, LogitsChain) over other row slices: their own sites
+    siblings: list = field(default_factory=list)  # (Head, LogitsChain) over other row slices: their own sites
 
     @property
     def autocast(self) -> bool:
@@ -89,13 +89,14 @@ class Plan:
         return (False, False, False) if all(c.detached for _, c in self.heads) else self.logits.needs
 
     @property
-    def site(self) -> LossSite:
+    def first(self) -> Head:
+        """The driver's head (the candidate the site was found from)."""
         return self.heads[0][0]
 
     @property
     def log_probs_op(self) -> bool:
         """Entropy and argmax come from the log-probs op (the cross-entropy op has neither)."""
-        return any(h.head in ("entropy", "argmax") for h, _ in self.heads)
+        return any(h.kind in ("entropy", "argmax") for h, _ in self.heads)
 
     @property
     def target(self) -> Optional[Node]:
@@ -115,16 +116,16 @@ class Plan:
         return any(u.op == "output" for u in self.escapes)
 
 
-def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
-         siblings: Optional[list] = None) -> Union[Plan, Decline]:
-    """The rewrite of ``heads`` ((LossSite, LogitsChain) pairs over one matmul, the driver's first), or
+def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
+         siblings: Optional[list] = None) -> Union[SitePlan, Decline]:
+    """The rewrite of ``heads`` ((Head, LogitsChain) pairs over one matmul, the driver's first), or
     why there is none. ``can_return``: the caller hands the returned logits to escape.wrap, so
     logits that are only returned (``torch.compile(model)``) are written by the op instead.
     ``siblings``: heads over other row slices of these logits, each rewritten as a site of its own
     (their slices are not other users of the logits)."""
     siblings = siblings or []
     site = heads[0][0]
-    chain = next((c for h, c in heads if h.head != "argmax"), heads[0][1])
+    chain = next((c for h, c in heads if h.kind != "argmax"), heads[0][1])
     reason = _heads_reason(heads, chain) or _inputs_reason(heads, chain)
     if reason:
         return Decline(None, site.loss, reason)
@@ -164,7 +165,7 @@ def plan(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     reason = reason or _grad_mode_between(gm, order, chain, last)
     if reason:
         return Decline(None, site.loss, reason)
-    return Plan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned, siblings)
+    return SitePlan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned, siblings)
 
 
 def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> tuple[list, Optional[str]]:
@@ -172,7 +173,7 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
     ([], why not). Every other user of the logits must lead only to the graph's output, through
     casts, views, Python-number scales and a softcap's tanh from the raw logits (matmul + bias),
     rows in the matmul's order."""
-    if any(h.head in ("entropy", "argmax") for h, _ in heads):
+    if any(h.kind in ("entropy", "argmax") for h, _ in heads):
         return [], "the log-probs op (entropy, argmax) does not write the logits"
     if _dtensor.involved(chain):
         return [], "the vocabulary-parallel op does not write the logits"
@@ -214,7 +215,7 @@ def _tail(n: Node, u: Node) -> Optional[list[Step]]:
     return tail
 
 
-def _with_target(heads: list) -> Optional[LossSite]:
+def _with_target(heads: list) -> Optional[Head]:
     return next((h for h, _ in heads if h.target is not None), None)
 
 
@@ -241,7 +242,7 @@ def _logsumexps(heads: list, chain: LogitsChain, read: dict, owned: dict) -> dic
 
 def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
     """Why these heads cannot share one op call, or None."""
-    if any(not _logits.same_logits(chain, c, monotone=h.head == "argmax") for h, c in heads):
+    if any(not _logits.same_logits(chain, c, monotone=h.kind == "argmax") for h, c in heads):
         return ("heads of one lm_head read different logits (another scale or temperature, softcap or rows): "
                 "one op computes one set; compute every head from the same logits tensor to fuse")
     with_target = [h for h, _ in heads if h.target is not None]
@@ -251,7 +252,7 @@ def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
         return "heads of the same logits read different targets (one op takes one class id per row)"
     if len(heads) > 1 and any(h.label_smoothing for h in with_target):  # the op's rows would be smoothed for all
         return "label smoothing in a cross-entropy next to another head of the same logits"
-    if any(h.head in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
+    if any(h.kind in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
         return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
     return None
 
@@ -320,10 +321,10 @@ def op_dtype(chain: LogitsChain) -> torch.dtype:
     return tval(chain.matmul).dtype
 
 
-def gradients(p: Plan, which: Optional[str], budget) -> strategy.GradientPlan:
+def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPlan:
     """How the rewritten site computes its gradients (strategy.choose, from the example values' sizes
     as hints and their requires_grad: which gradients the graph will ask for)."""
-    site, chain = p.site, p.logits
+    site, chain = p.first, p.logits
     if p.log_probs_op:
         return strategy.GradientPlan("recompute", reason="the log-probs op (entropy, argmax) recomputes")
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
@@ -332,7 +333,7 @@ def gradients(p: Plan, which: Optional[str], budget) -> strategy.GradientPlan:
     v, d = chain.vd
     n = numel_hint(tx)
     n = None if n is None else n // max(1, hint(d) or 1)
-    reduced = len(p.heads) == 1 and site.head == "cross_entropy"  # store gives one reduced loss
+    reduced = len(p.heads) == 1 and site.kind == "cross_entropy"  # store gives one reduced loss
     return strategy.choose(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
                            reduction=site.reduction if reduced else "none", needs=p.needs,
                            label_smoothing=site.label_smoothing, softcap=chain.softcap,

@@ -1,4 +1,4 @@
-"""What the pass says about each candidate site: the ``Site`` record ``run`` returns (and
+"""What the pass says about each candidate site: the ``SiteReport`` record ``run`` returns (and
 ``inductor_xent.explain`` shows), its sizes, and the text of a fused site's reason."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from .. import strategy
 from . import _dtensor, _unloop
 from ._fx import hint, tval
 from ._logits import LogitsChain
-from ._plan import Plan
-from ._site import NO_IGNORE
+from ._plan import SitePlan
+from ._site import NO_IGNORE, Decline, HeadKind
 
 ESCAPE_HINT = (
     "the logits are also a graph output (the compiled function returns them), so they must be "
@@ -24,15 +24,16 @@ ESCAPE_HINT = (
 )
 
 
-@dataclass
-class Site:
-    """One candidate site: what ``explain`` reports and ``run`` returns."""
+@dataclass(frozen=True)
+class SiteReport:
+    """One candidate site: what ``explain`` reports and ``run`` returns (``inductor_xent.explain``'s
+    ``report.sites``). Built once per site by ``declined`` or ``fused``; nothing parses its text."""
 
     pattern: str
     fused: bool
     reason: str
     node: str  # the loss node's name in the Dynamo graph
-    head: str = "cross_entropy"  # what the site computes (LossSite.head), its heads joined by "+"
+    heads: tuple[HeadKind, ...] = ("cross_entropy",)  # what the site computes, in HEAD_KINDS order
     rows: Optional[str] = None  # N, the number of rows (symbolic when dynamic)
     vocab: Optional[int] = None  # V
     hidden_dim: Optional[int] = None  # D
@@ -42,25 +43,39 @@ class Site:
     logits_escape: bool = False  # the logits are a graph output
     logits_input: bool = False  # the logits are a graph input (a graph break before the loss)
     logits_returned: bool = False  # the logits are also returned: the op writes them (escape.py)
-    strategy: str = ""  # how a fused site computes its gradients (strategy.GradientPlan.describe())
-    extra_bytes: Optional[int] = None  # the strategy's estimated extra memory (at the example sizes)
+    strategy: Optional[strategy.Name] = None  # how a fused site computes its gradients
+    strategy_reason: str = ""  # why (strategy.GradientPlan.describe())
+    extra_bytes: Optional[int] = None  # the store strategy's estimated extra memory (at the example sizes)
+
+    @property
+    def head(self) -> str:
+        """The heads joined by "+" (the table's column, the log line)."""
+        return "+".join(self.heads)
 
 
-def describe(site: Site, chain: LogitsChain) -> None:
-    """Fill in the sizes of ``site`` from its logits."""
+def sizes(chain: Optional[LogitsChain]) -> dict:
+    """The sizes a report gives of the logits ``chain`` (none when unknown)."""
+    if chain is None:
+        return {}
     tz = tval(chain.matmul)
     v, d = chain.vd
-    site.vocab, site.hidden_dim, site.dtype = hint(v), hint(d), str(tz.dtype).replace("torch.", "")
-    rows = math.prod(tz.shape[:-1])
-    site.rows = str(rows)
+    vocab, rows = hint(v), math.prod(tz.shape[:-1])
     n = hint(rows)
-    site.logits_bytes = None if n is None or site.vocab is None else n * site.vocab * tz.element_size()
+    return dict(rows=str(rows), vocab=vocab, hidden_dim=hint(d), dtype=str(tz.dtype).replace("torch.", ""),
+                logits_bytes=None if n is None or vocab is None else n * vocab * tz.element_size())
 
 
-def fused(site: Site, plan: Plan, how: strategy.GradientPlan, bytes_avoided: int) -> None:
-    """Mark ``site`` fused, saying what the op took over."""
-    loss, chain = plan.site, plan.logits
-    ce = next((h for h, _ in plan.heads if h.head == "cross_entropy"), None)
+def declined(pattern: str, node: str, heads: tuple, chain: Optional[LogitsChain], why: Decline) -> SiteReport:
+    """The report of a site left alone, for ``why``."""
+    return SiteReport(pattern, False, why.reason, node, heads, **sizes(chain), logits_escape=why.logits_escape,
+                      logits_input=why.logits_input)
+
+
+def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.GradientPlan,
+          bytes_avoided: int) -> SiteReport:
+    """The report of a rewritten site, saying what the op took over."""
+    loss, chain = plan.first, plan.logits
+    ce = next((h for h, _ in plan.heads if h.kind == "cross_entropy"), None)
     parts = (
         len(plan.heads) > 1 and f"{len(plan.heads)} heads in one op call",
         plan.log_probs_op and "log-probs op",
@@ -86,13 +101,13 @@ def fused(site: Site, plan: Plan, how: strategy.GradientPlan, bytes_avoided: int
         plan.returned and "the returned logits written by the op (no second GEMM; their gradient only if used)",
         "strategy " + how.describe(),
     )
-    site.fused, site.reason, site.bytes_avoided = True, "fused: " + ", ".join(p for p in parts if p), bytes_avoided
-    site.logits_returned = bool(plan.returned)
-    site.strategy = how.describe()
-    site.extra_bytes = how.extra_bytes if how.strategy == "store" else None
+    return SiteReport(pattern, True, "fused: " + ", ".join(p for p in parts if p), node, heads, **sizes(chain),
+                      bytes_avoided=bytes_avoided, logits_escape=plan.escapes_to_output,
+                      logits_returned=bool(plan.returned), strategy=how.strategy, strategy_reason=how.describe(),
+                      extra_bytes=how.extra_bytes if how.strategy == "store" else None)
 
 
-def unlooped(plan: Plan) -> Optional[str]:
+def unlooped(plan: SitePlan) -> Optional[str]:
     """What ``_unloop.fold`` folded into the plan's heads (e.g. "row chunks (split) joined by
     torch.cat"), if it did."""
     nodes = [*plan.logits.nodes]

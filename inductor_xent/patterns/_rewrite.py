@@ -14,7 +14,7 @@ from torch.fx import Node
 from .. import escape, ops, strategy
 from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
-from ._plan import Plan
+from ._plan import SitePlan
 from ._site import NO_IGNORE
 from ._steps import CAST_METHODS, RowScale
 
@@ -24,10 +24,10 @@ NEG = (operator.neg, torch.neg, "neg")
 _VIEWS = ("view", "reshape", "flatten", "contiguous", "transpose", "t", "permute", "squeeze", "unsqueeze")
 
 
-def rewrite(gm, plan: Plan, how: strategy.GradientPlan, erased: set) -> int:
+def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     """Replace ``plan``'s heads in ``gm``; the bytes of [N, V]-sized buffers it no longer computes.
     Nodes erased are added to ``erased``."""
-    site, chain, graph = plan.site, plan.logits, gm.graph
+    site, chain, graph = plan.first, plan.logits, gm.graph
     for n in plan.hoist:  # e.g. targets computed after a z-loss logsumexp: move them up
         plan.anchor.prepend(n)
     e = Emitter(graph, plan.anchor, site.loss)
@@ -62,7 +62,7 @@ def rewrite(gm, plan: Plan, how: strategy.GradientPlan, erased: set) -> int:
         _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
     if plan.log_probs_op:
-        kinds = {h.head for h, _ in plan.heads}
+        kinds = {h.kind for h, _ in plan.heads}
         if target1d is None:  # entropy and argmax only: any class id
             ids = e.method("new_zeros", hidden2d, e.method("size", hidden2d, 0), dtype=torch.long)
         else:
@@ -84,9 +84,9 @@ def rewrite(gm, plan: Plan, how: strategy.GradientPlan, erased: set) -> int:
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
 
     for h, c in plan.heads:
-        value, sign = values[h.head]
+        value, sign = values[h.kind]
         value = value()
-        if h.head == "cross_entropy" and h.reduction != "none":
+        if h.kind == "cross_entropy" and h.reduction != "none":
             if h.reduction == "mean":
                 count = e.method("sum", e.call(operator.ne, target1d, ii))
                 value = e.call(operator.truediv, e.method("sum", value), count)
@@ -116,7 +116,7 @@ def rewrite(gm, plan: Plan, how: strategy.GradientPlan, erased: set) -> int:
     return _erase_dead(gm, plan, erased, folded)
 
 
-def _return_logits(gm, e: Emitter, plan: Plan, out: Node, index: int) -> None:
+def _return_logits(gm, e: Emitter, plan: SitePlan, out: Node, index: int) -> None:
     """The logits the graph returns, from the op's ``index``-th output (the raw logits, (N, V)):
     shaped as the matmul's output, the user's nodes between the raw logits and each returned tensor
     replayed on them (right before the graph's output, where all they read exists), the returned
@@ -183,7 +183,7 @@ def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.L
     node.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, node), node, chain))
 
 
-def _erase_dead(gm, plan: Plan, erased: set, folded: list) -> int:
+def _erase_dead(gm, plan: SitePlan, erased: set, folded: list) -> int:
     """Erase what became dead (and only that: escaping logits stay for their other users); the
     bytes of [N, V]-sized buffers no longer computed."""
     chain = plan.logits

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional
+from typing import Any, Literal, NamedTuple, Optional, get_args
 
 import torch
 import torch.nn.functional as F
@@ -20,14 +20,15 @@ NO_IGNORE = -(2**31)
 
 
 # what a head computes per row of the logits, in the order explain names a site's heads
-HEADS = ("cross_entropy", "log_probs", "entropy", "argmax")
+HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax"]
+HEAD_KINDS: tuple[HeadKind, ...] = get_args(HeadKind)
 
 
 @dataclass
-class LossSite:
+class Head:
     """A head over lm_head logits that the driver can replace by an output of the fused op.
 
-    ``loss`` holds, per row of the logits (minus that when ``negate``), by ``head``:
+    ``loss`` holds, per row of the logits (minus that when ``negate``), by ``kind``:
     ``cross_entropy`` the loss ``lse − z[target]`` (0 where ``target == ignore_index``) reduced by
     ``reduction`` (``mean``: ``rows.sum() / (target != ignore_index).sum()``); ``log_probs``
     ``z[target] − lse``; ``entropy`` ``−Σ p·log p``; ``argmax`` the first maximal column. Per-row
@@ -48,7 +49,7 @@ class LossSite:
     drop_last: bool = False
     negate: bool = False
     needs_lse_of: tuple = ()  # logsumexp nodes the idiom relies on: each must map to the op's lse
-    head: str = "cross_entropy"
+    kind: HeadKind = "cross_entropy"
     keepdim: bool = False
 
 
@@ -62,7 +63,7 @@ class Decline:
     logits: Optional[Node] = None  # the logits the loss reads, when known (else its first argument)
     logits_escape: bool = False  # the logits are a graph output (explain says what to compile instead)
     logits_input: bool = False  # the logits are a graph input: a graph break before the loss
-    head: str = "cross_entropy"  # what the declined head computes (LossSite.head)
+    kind: HeadKind = "cross_entropy"  # what the declined head computes (Head.kind)
 
 
 def vocab_last(node: Any, class_dim: int) -> Optional[tuple[Node, tuple]]:

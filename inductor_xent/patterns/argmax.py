@@ -16,7 +16,7 @@ from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, tval
 from ._logits import is_matmul
-from ._site import LossSite, log_probs_of, probs_of
+from ._site import Head, log_probs_of, probs_of
 from ._steps import MATCHERS
 
 PATTERN = "argmax"
@@ -30,8 +30,8 @@ def match(node: Node):
         return None  # the argmax of a whole tensor, or over another dim: no per-token prediction
     normalised = log_probs_of(src) or probs_of(src)
     if normalised is not None and normalised.dim == t.dim() - 1:
-        return LossSite(PATTERN, node, normalised.logits, None, normalised.nodes, head="argmax", keepdim=keep,
+        return Head(PATTERN, node, normalised.logits, None, normalised.nodes, kind="argmax", keepdim=keep,
                         needs_lse_of=normalised.lse)
     if not (is_matmul(src) or is_call(src, tuple(MATCHERS))):
         return None  # e.g. of per-token log-probs or ratios computed from the logits: not a prediction
-    return LossSite(PATTERN, node, src, None, head="argmax", keepdim=keep)
+    return Head(PATTERN, node, src, None, kind="argmax", keepdim=keep)

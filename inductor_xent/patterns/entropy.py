@@ -17,7 +17,7 @@ import torch
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, tval
-from ._site import SUB, Decline, LossSite, Normalised, log_probs_of, lse_of, probs_of
+from ._site import SUB, Decline, Head, Normalised, log_probs_of, lse_of, probs_of
 
 PATTERN = "entropy"
 TARGETS = (torch.sum, "sum", *SUB)
@@ -49,7 +49,7 @@ def _sum_p_log_p(node: Node):
         if lp is not None and p is not None and lp.logits is p.logits:
             return _head(node, (lp, p), (product,), dim, keep, negate=True)
         if p is not None and is_call(x, (torch.log, "log")) and arg(x, 0, "input") is y:
-            return Decline(PATTERN, node, logits=p.logits, head="entropy", reason=(
+            return Decline(PATTERN, node, logits=p.logits, kind="entropy", reason=(
                 "p * torch.log(p): torch.log of a softmax is not log_softmax (-inf, then NaN, where a probability "
                 "underflows to 0); write F.log_softmax(logits, -1) for log p to fuse"))
     return None
@@ -77,6 +77,6 @@ def _head(node: Node, parts: tuple, own: tuple, dim, keep: bool, negate: bool = 
     for what, d in (*(("softmax / log_softmax", p.dim) for p in parts), ("sum", norm_dim(dim, last + 1))):
         if d != last:
             return Decline(PATTERN, node, f"{what} over dim {d}, not the vocabulary (last) dim", logits=z,
-                           head="entropy")
-    return LossSite(PATTERN, node, z, None, (*(n for p in parts for n in p.nodes), *own), negate=negate,
-                    needs_lse_of=tuple(n for p in parts for n in p.lse), head="entropy", keepdim=keep)
+                           kind="entropy")
+    return Head(PATTERN, node, z, None, (*(n for p in parts for n in p.nodes), *own), negate=negate,
+                    needs_lse_of=tuple(n for p in parts for n in p.lse), kind="entropy", keepdim=keep)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ._fx import bind, number
-from ._site import Decline, LossSite, loss_args_reason, vocab_last
+from ._site import Decline, Head, loss_args_reason, vocab_last
 
 PATTERN = "lm_head_cross_entropy"
 TARGETS = (F.cross_entropy,)
@@ -37,5 +37,5 @@ def match(node: Node):
     if found is None:
         return Decline(PATTERN, node, "the class dimension (1) of the input is not the logits' last dimension")
     logits, consumed = found
-    return LossSite(PATTERN, node, logits, a["target"], consumed, (), a["ignore_index"], a["reduction"],
+    return Head(PATTERN, node, logits, a["target"], consumed, (), a["ignore_index"], a["reduction"],
                     number(a["label_smoothing"]), shape_ref=a["target"])

@@ -21,7 +21,7 @@ from torch.fx import Node
 from ._fx import arg, bind, is_call, norm_dim, same, tval
 from ._site import (
     Decline,
-    LossSite,
+    Head,
     integer_target,
     log_probs_of,
     log_softmax,
@@ -86,7 +86,7 @@ def _match_nll(node: Node):
     reason = loss_args_reason(a)
     if reason:
         return Decline(PATTERN, node, reason, logits=logits)
-    return LossSite(PATTERN, node, logits, a["target"], consumed, (), a["ignore_index"], a["reduction"], 0.0,
+    return Head(PATTERN, node, logits, a["target"], consumed, (), a["ignore_index"], a["reduction"], 0.0,
                     shape_ref=a["target"])
 
 
@@ -98,7 +98,7 @@ def _match_gather(node: Node):
         return None
     if norm_dim(dim, tl.dim()) != tl.dim() - 1:
         return None
-    decline = functools.partial(Decline, PATTERN, node, logits=ls.logits, head="log_probs")
+    decline = functools.partial(Decline, PATTERN, node, logits=ls.logits, kind="log_probs")
     if ls.dim != tl.dim() - 1:
         return decline(f"log_softmax over dim {ls.dim}, not the vocabulary (last) dim")
     if ti.dim() != tl.dim() or not same(ti.shape[-1], 1):
@@ -109,5 +109,5 @@ def _match_gather(node: Node):
     if reason:
         return decline(reason)
     target, between = unbroadcast(index)
-    return LossSite(PATTERN, node, ls.logits, target, ls.nodes, between, shape_ref=target, needs_lse_of=ls.lse,
-                    head="log_probs")
+    return Head(PATTERN, node, ls.logits, target, ls.nodes, between, shape_ref=target, needs_lse_of=ls.lse,
+                    kind="log_probs")

@@ -18,7 +18,7 @@ import torch
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
-from ._site import Decline, LossSite, integer_target, lse_of
+from ._site import Decline, Head, integer_target, lse_of
 from ._steps import CAST_METHODS
 
 PATTERN = "logsumexp_minus_gather"
@@ -65,7 +65,7 @@ def match(node: Node):
         return None
     lse_node, g, head, (gather, z, index, squeezed) = found
     ti, tz, tout = tval(index), tval(z), tval(node)
-    decline = functools.partial(Decline, PATTERN, node, logits=z, head=head)
+    decline = functools.partial(Decline, PATTERN, node, logits=z, kind=head)
     if not same(ti.shape[-1], 1) or not all(same(a, b) for a, b in zip(ti.shape[:-1], tz.shape[:-1])):
         return decline("gather index does not pick one class per row")
     if tval(lse_node).dim() != tout.dim() or tval(g).dim() != tout.dim():
@@ -74,7 +74,7 @@ def match(node: Node):
     if reason:
         return decline(reason)
     consumed = (gather,) if squeezed is None else (gather, squeezed)
-    return LossSite(
+    return Head(
         PATTERN, node, z, index, consumed, shape_ref=index, drop_last=tout.dim() == ti.dim() - 1,
-        needs_lse_of=(lse_node,), head=head,
+        needs_lse_of=(lse_node,), kind=head,
     )

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.fx import Node
 
 from ._fx import arg, is_call, norm_dim, same, tval
-from ._site import Decline, LossSite, integer_target, log_softmax
+from ._site import Decline, Head, integer_target, log_softmax
 from ._steps import CAST_METHODS
 
 PATTERN = "one_hot"
@@ -48,7 +48,7 @@ def match(node: Node):
         return None
     y, num_classes, oh_nodes = found
     tl = tval(lp)
-    decline = functools.partial(Decline, PATTERN, node, logits=ls[0], head="log_probs")
+    decline = functools.partial(Decline, PATTERN, node, logits=ls[0], kind="log_probs")
     if ls[1] != tl.dim() - 1 or norm_dim(dim, tl.dim()) != tl.dim() - 1 or keep:
         return decline("sum is not over the vocabulary dimension without keepdim")
     if not isinstance(num_classes, int) or not same(num_classes, tl.shape[-1]):
@@ -62,4 +62,4 @@ def match(node: Node):
         # one_hot(y) * lp broadcasts: a row of lp may meet another row's target (or several)
         reason = f"the one-hot targets {tuple(ty.shape)} broadcast against the log-probs {tuple(tl.shape)}"
         return decline(reason)
-    return LossSite(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, head="log_probs")
+    return Head(PATTERN, node, ls[0], y, (lp, src), oh_nodes, shape_ref=y, kind="log_probs")
