@@ -63,38 +63,48 @@ class Layout(NamedTuple):
     local_vocab: int  # V / tp
 
 
-def layout(hidden, weight, bias, target, label_smoothing: float = 0.0, softcap: Optional[float] = None):
-    """The ``Layout`` of a vocabulary-parallel call, or a reason (str) why it is not one we run.
+class LayoutError(ValueError):
+    """A call whose tensors are not a vocabulary-parallel layout we run; ``reason`` says why (the
+    pass declines with it, the ops raise it with their prefix)."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def layout(hidden, weight, bias, target, label_smoothing: float = 0.0, softcap: Optional[float] = None) -> Layout:
+    """The ``Layout`` of a vocabulary-parallel call; ``LayoutError`` with the reason when it is not
+    one we run.
 
     Takes real or fake tensors; reads placements and shapes only (no communication, no guards)."""
     if not isinstance(weight, DTensor):
-        return "the weight is not a DTensor"
+        raise LayoutError("the weight is not a DTensor")
     if weight.dim() != 2:
-        return f"the weight is not 2-D: {tuple(weight.shape)}"
+        raise LayoutError(f"the weight is not 2-D: {tuple(weight.shape)}")
     vocab_dims = [i for i, p in enumerate(weight.placements) if _is_shard(p, 0, 2)]
     others = [p for i, p in enumerate(weight.placements) if i not in vocab_dims]
     if len(vocab_dims) != 1 or not all(p.is_replicate() for p in others):
-        return (f"the weight's placements {tuple(weight.placements)} are not Shard(0) (the vocabulary) "
-                "on one mesh dim and Replicate on the others (ColwiseParallel on the lm_head)")
+        raise LayoutError(f"the weight's placements {tuple(weight.placements)} are not Shard(0) (the vocabulary) "
+                          "on one mesh dim and Replicate on the others (ColwiseParallel on the lm_head)")
     dim = vocab_dims[0]
     mesh = weight.device_mesh
     tp, vocab = mesh.size(dim), weight.shape[0]
     if not isinstance(vocab, int) or vocab % tp:
-        return f"the vocabulary V={vocab} is not divisible by the {tp} ranks that shard it"
+        raise LayoutError(f"the vocabulary V={vocab} is not divisible by the {tp} ranks that shard it")
     if not isinstance(hidden, DTensor):
-        return "the hidden states are not a DTensor"
+        raise LayoutError("the hidden states are not a DTensor")
     if len(hidden.placements) != mesh.ndim or not all(p.is_replicate() for p in hidden.placements):
-        return f"the hidden states' placements {tuple(hidden.placements)} are not all Replicate"
+        raise LayoutError(f"the hidden states' placements {tuple(hidden.placements)} are not all Replicate")
     if bias is not None and (not isinstance(bias, DTensor) or tuple(bias.placements) != (
             *(Replicate() for _ in range(dim)), Shard(0), *(Replicate() for _ in range(dim + 1, mesh.ndim)))):
-        return f"the bias is not placed like the weight: {getattr(bias, 'placements', 'a plain tensor')}"
+        raise LayoutError(f"the bias is not placed like the weight: {getattr(bias, 'placements', 'a plain tensor')}")
     if isinstance(target, DTensor) and not all(p.is_replicate() for p in target.placements):
-        return f"the targets' placements {tuple(target.placements)} are not all Replicate"
+        raise LayoutError(f"the targets' placements {tuple(target.placements)} are not all Replicate")
     if label_smoothing and softcap is not None:
-        return "label smoothing together with a softcap (Σz over the vocabulary would need the kernel)"
+        raise LayoutError("label smoothing together with a softcap (Σz over the vocabulary would need the kernel)")
     coordinate = mesh.get_coordinate()
     if coordinate is None:
-        return "this rank is not part of the weight's device mesh"
+        raise LayoutError("this rank is not part of the weight's device mesh")
     local = vocab // tp
     return Layout(dim, mesh.get_group(dim).group_name, vocab, coordinate[dim] * local, local)
 
@@ -104,10 +114,10 @@ def _is_shard(p, dim: int, ndim: int) -> bool:
 
 
 def _check(*args) -> Layout:
-    lay = layout(*args)
-    if isinstance(lay, str):
-        raise ValueError(f"inductor_xent: vocabulary-parallel cross-entropy: {lay}")
-    return lay
+    try:
+        return layout(*args)
+    except LayoutError as e:
+        raise ValueError(f"inductor_xent: vocabulary-parallel cross-entropy: {e.reason}") from None
 
 
 def _no_logits(write_logits: bool) -> None:
@@ -297,4 +307,4 @@ def replicate_like(t: Tensor, like: DTensor) -> DTensor:
     return _replicate(t, like)
 
 
-__all__ = ["Layout", "layout", "forward", "backward", "store", "replicate_like"]
+__all__ = ["Layout", "LayoutError", "layout", "forward", "backward", "store", "replicate_like"]

@@ -68,10 +68,11 @@ def decline_reason(site, chain) -> Optional[str]:
     if not chain.weight_is_vd:
         return "vocabulary parallel: a [D, V] DTensor weight (only nn.Linear's [V, D] layout is supported)"
     bias = tval(chain.bias) if chain.bias is not None else None
-    lay = distributed.layout(tval(chain.hidden), tval(chain.weight), bias, tval(site.target),
-                             site.label_smoothing, chain.softcap)
-    if isinstance(lay, str):
-        return f"vocabulary parallel: {lay}"
+    try:
+        distributed.layout(tval(chain.hidden), tval(chain.weight), bias, tval(site.target), site.label_smoothing,
+                           chain.softcap)
+    except distributed.LayoutError as e:
+        return f"vocabulary parallel: {e.reason}"
     if _is_dtensor(tval(site.target)):
         return "vocabulary parallel: DTensor targets (pass the labels as a plain tensor, as torchtitan does)"
     loss = tval(site.loss)
