@@ -15,7 +15,7 @@ others; and whether the compiled loss and every parameter gradient are within Py
 
 The sweep runs as a user's program would: transformers is imported, then
 ``torch.compile(..., backend="inductor_xent")`` looks the backend up, which applies the Dynamo tuning
-of ``INDUCTOR_XENT_DYNAMO_TUNING`` (inductor_xent/compat.py, ``tune_dynamo``), and each compiled call
+of ``INDUCTOR_XENT_DYNAMO_TUNING`` (inductor_xent/dynamo_tuning.py, ``tune_dynamo``), and each compiled call
 runs inside the backend's ``DynamoScope`` (nested graph breaks unless
 ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``); the two flags above set those variables (default: as in the
 environment). The
@@ -440,9 +440,9 @@ def summary(rows: list[Row]) -> str:
 
 
 def _ignores_warning_once() -> bool:
-    from inductor_xent import compat
+    from inductor_xent import dynamo_tuning
 
-    fn = compat.transformers_warning_once()
+    fn = dynamo_tuning.transformers_warning_once()
     return fn is not None and fn in torch._dynamo.config.ignore_logging_functions
 
 

@@ -23,7 +23,7 @@ def _register_without_entry_point() -> None:
     no ``pip install``), where its ``torch_dynamo_backends`` entry point does not exist. When the
     entry point exists Dynamo registers the backend itself, and registering it here as well would
     trip Dynamo's duplicate-name assertion. Registering stands in for the entry point's import of
-    ``backend.py``, so it also applies the Dynamo tuning that import applies (``compat.tune_dynamo``)."""
+    ``backend.py``, so it also applies the Dynamo tuning that import applies (``dynamo_tuning.tune_dynamo``)."""
     from importlib.metadata import entry_points
 
     if any(ep.name == "inductor_xent" for ep in entry_points(group="torch_dynamo_backends")):
@@ -32,9 +32,9 @@ def _register_without_entry_point() -> None:
 
     if "inductor_xent" not in torch._dynamo.list_backends(exclude_tags=()):
         torch._dynamo.register_backend(compiler_fn=_backend, name="inductor_xent")
-        from . import compat
+        from . import dynamo_tuning
 
-        compat.tune_dynamo()
+        dynamo_tuning.tune_dynamo()
 
 
 _register_without_entry_point()

@@ -22,15 +22,15 @@ our own keys, prefixed ``xent.``:
 Dynamo options: Dynamo traces before any backend runs, so the options that decide where it breaks
 the graph are set before it traces.
 
-* ``compat.tune_dynamo`` lets Dynamo skip transformers' ``warning_once`` calls, for the whole
+* ``dynamo_tuning.tune_dynamo`` lets Dynamo skip transformers' ``warning_once`` calls, for the whole
   process: set when this module is imported (when ``torch.compile(..., backend="inductor_xent")``
   looks the backend up through the entry point) and again at each call of the backend (idempotent),
   for a transformers imported after ``torch.compile``; ``INDUCTOR_XENT_DYNAMO_TUNING=0`` switches
   it off. The only setting the package changes for the whole process without being asked
   (``install()`` is asked).
-* ``compat.DynamoScope``, this backend's ``backend_ctx_ctor``, sets ``nested_graph_breaks`` only
-  while a function compiled with this backend runs (``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``: not
-  at all); ``compat.honour_backend_ctx`` makes ``torch.compile`` enter it, as
+* ``dynamo_tuning.DynamoScope``, this backend's ``backend_ctx_ctor``, sets ``nested_graph_breaks``
+  only while a function compiled with this backend runs (``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``: not
+  at all); ``dynamo_tuning.honour_backend_ctx`` makes ``torch.compile`` enter it, as
   ``torch._dynamo.optimize`` does (torch.compile's backend wrapper hides the attribute).
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import compat, config, escape, patterns
+from . import compat, config, dynamo_tuning, escape, patterns
 from .inductor_pass import CACHE_SALT, DONATED_SCALE
 
 XENT_OPTIONS = {"allow_escaping_logits": bool, "inner": str, "enable": bool, "strategy": str,
@@ -92,7 +92,7 @@ def config_patches(mode: Optional[str], inductor_options: dict) -> dict:
 
 def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Optional[dict] = None):
     """The backend: our rewrite on the Dynamo graph (torch IR, before autograd), then ``compile_fx``."""
-    compat.tune_dynamo()  # for the frames Dynamo traces from now on
+    dynamo_tuning.tune_dynamo()  # for the frames Dynamo traces from now on
     ours, theirs = split_options(options)
     patches = config_patches(mode, theirs)  # validates Inductor's keys whichever inner compiler runs
     if ours["enable"]:
@@ -103,7 +103,7 @@ def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Op
     return escape.wrap(gm, compat.compile_fx(gm, example_inputs, patches))
 
 
-inductor_xent.backend_ctx_ctor = compat.DynamoScope  # entered around every compiled call
+inductor_xent.backend_ctx_ctor = dynamo_tuning.DynamoScope  # entered around every compiled call
 inductor_xent._inductor_xent_backend = True
-compat.honour_backend_ctx()
-compat.tune_dynamo()  # at lookup: the entry point imports this module before Dynamo traces anything
+dynamo_tuning.honour_backend_ctx()
+dynamo_tuning.tune_dynamo()  # at lookup: the entry point imports this module before Dynamo traces anything

@@ -127,7 +127,7 @@ def _switch(name: str, default: bool) -> bool:
 def dynamo_tuning() -> bool:
     """``INDUCTOR_XENT_DYNAMO_TUNING``: ``1`` (default) lets Dynamo skip transformers' once-per-process
     warnings (``logger.warning_once``) instead of graph-breaking on them; ``0`` leaves Dynamo's
-    configuration alone (``compat.tune_dynamo``)."""
+    configuration alone (``dynamo_tuning.tune_dynamo``)."""
     return _switch("INDUCTOR_XENT_DYNAMO_TUNING", True)
 
 
@@ -135,5 +135,5 @@ def nested_graph_breaks() -> bool:
     """``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``: ``1`` (default) traces what runs inside a function
     compiled with ``backend="inductor_xent"`` (and ``explain``) with
     ``torch._dynamo.config.nested_graph_breaks = True``, restored when the call returns
-    (``compat.DynamoScope``); ``0`` leaves Dynamo's option as it is."""
+    (``dynamo_tuning.DynamoScope``); ``0`` leaves Dynamo's option as it is."""
     return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", True)

@@ -6,8 +6,8 @@ or several joined by ``+`` when they share one op call).
 It compiles ``fn`` with a recording backend (Dynamo's graphs go through our pass, then run eagerly),
 calls it once with the given arguments and returns a ``Report``. Like ``torch._dynamo.explain`` it
 resets Dynamo before and after, so ``fn`` is traced from scratch; like the backend it applies the
-Dynamo tuning (``compat.tune_dynamo``) and traces inside ``compat.DynamoScope``, so that it traces as
-``backend="inductor_xent"`` would.
+Dynamo tuning (``dynamo_tuning.tune_dynamo``) and traces inside ``dynamo_tuning.DynamoScope``, so
+that it traces as ``backend="inductor_xent"`` would.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from . import compat, escape, patterns
+from . import dynamo_tuning, escape, patterns
 from .patterns import ESCAPE_HINT, SiteReport
 
 # what to change, for the graph breaks that keep an lm_head and its loss apart (seen in the zoo sweep,
 # benchmarks/zoo.py: 7 transformers architectures break on the loss_type warning, which the default
-# Dynamo tuning skips; 9 elsewhere in forward, which the nested graph breaks of compat.DynamoScope fix)
+# Dynamo tuning skips; 9 elsewhere in forward, which the nested graph breaks of dynamo_tuning.DynamoScope fix)
 LOSS_TYPE_HINT = (
     "transformers logs a warning_once about loss_type=None inside forward (models whose class name gives "
     "no loss type, e.g. GPT2LMHeadModel) and Dynamo graph-breaks on a logging.Logger call; inductor_xent's "
@@ -118,11 +118,11 @@ def explain(fn, *args, **kwargs) -> Report:
 
     from torch._dynamo.utils import counters
 
-    compat.tune_dynamo()
+    dynamo_tuning.tune_dynamo()
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
     try:
-        with torch._dynamo.config.patch(suppress_errors=False), compat.DynamoScope():  # as the backend traces
+        with torch._dynamo.config.patch(suppress_errors=False), dynamo_tuning.DynamoScope():  # as the backend traces
             torch.compile(fn, backend=recording_backend)(*args, **kwargs)
         new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
         report.graph_break_count = sum(new.values())

@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 transformers = pytest.importorskip("transformers")
 
 import inductor_xent  # noqa: E402
-from inductor_xent import compat  # noqa: E402
+from inductor_xent import dynamo_tuning  # noqa: E402
 from inductor_xent.backend import inductor_xent as xent_backend  # noqa: E402
 
 from .helpers import assert_within_torch_error, counting  # noqa: E402
@@ -204,7 +204,7 @@ def test_gpt2_without_loss_type_fuses(untuned_dynamo):
     """GPT2LMHeadModel as transformers builds it (loss_type None): the Dynamo tuning that looking
     the backend up applies lets Dynamo skip transformers' loss_type warning_once, so the site fuses,
     loss and gradients within torch's error, with no change to the model or the call."""
-    compat.tune_dynamo()  # what the lookup does in a fresh process (test_gpt2_..._fresh_process checks that)
+    dynamo_tuning.tune_dynamo()  # what the lookup does in a fresh process (test_gpt2_..._fresh_process checks that)
     check_model("gpt2", "inductor_xent", gpt2_loss_type=None)
 
 
@@ -212,7 +212,7 @@ def test_gpt2_without_loss_type_tuning_off(untuned_dynamo, monkeypatch):
     """``INDUCTOR_XENT_DYNAMO_TUNING=0``: the warning breaks the graph between lm_head and loss, the
     site declines (the result is still eager's), and explain names both ways out."""
     monkeypatch.setenv("INDUCTOR_XENT_DYNAMO_TUNING", "0")
-    compat.tune_dynamo()
+    dynamo_tuning.tune_dynamo()
     model, ids, labels = check_model("gpt2", "inductor_xent", fused=0, gpt2_loss_type=None)
     report = inductor_xent.explain(loss_fn(model), ids, labels)
     assert report.graph_break_count >= 1 and report.fused_count == 0

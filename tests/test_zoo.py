@@ -27,9 +27,9 @@ def as_a_user(untuned_dynamo):
     """Dynamo tuned as in the user's process, which imports transformers and then looks the backend up
     (here the backend may have been imported before transformers, and a first trace would come too
     soon for the tuning its first call applies); undone afterwards."""
-    from inductor_xent import compat
+    from inductor_xent import dynamo_tuning
 
-    compat.tune_dynamo()
+    dynamo_tuning.tune_dynamo()
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "zoo.py"
 _spec = importlib.util.spec_from_file_location("inductor_xent_zoo", _PATH)

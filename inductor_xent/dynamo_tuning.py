@@ -1,0 +1,144 @@
+"""Dynamo tuning: the Dynamo settings inductor_xent changes so that a real model's lm_head and its loss
+land in one graph, each with the switch that turns it off.
+
+Dynamo traces before any backend runs, so where it breaks a graph is decided by its own options, not
+by the backend; with two of its defaults the lm_head and the loss of real models end up in different
+graphs (benchmarks/zoo.py: 7 + 9 of 189 transformers causal LMs, below). This module changes three
+things, and nothing else:
+
+* ``tune_dynamo()`` (process-wide): adds transformers' ``logger.warning_once``, when transformers is
+  already imported, to ``torch._dynamo.config.ignore_logging_functions``, so Dynamo drops that call
+  instead of graph-breaking on it (transformers logs a ``loss_type=None`` warning inside ``forward``
+  of 7 of the zoo's causal LMs). Compiled code then does not print that warning; eager code still
+  does; no other logging call is affected. Called when backend.py is imported (the entry point's
+  lookup), at each call of the backend, by ``explain`` and by the source-tree registration in
+  ``__init__.py``. Off: ``INDUCTOR_XENT_DYNAMO_TUNING=0`` (``config.dynamo_tuning()``).
+* ``DynamoScope`` (scoped): the backend's ``backend_ctx_ctor``, entered around every call of a
+  function compiled with ``backend="inductor_xent"`` (and around ``explain``'s trace); sets
+  ``torch._dynamo.config.nested_graph_breaks = True`` for that call and restores it after (9 of the
+  zoo's causal LMs fuse only so). Off: ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``
+  (``config.nested_graph_breaks()``).
+* ``honour_backend_ctx()``: wraps ``torch._dynamo.eval_frame.get_compiler_fn`` once (when backend.py
+  is imported) so that ``torch.compile(..., backend=<ours>)`` enters our ``backend_ctx_ctor`` (the
+  ``DynamoScope``) as ``torch._dynamo.optimize(<ours>)`` does; torch.compile's backend wrapper hides
+  the attribute, in 2.11 and 2.13+ alike (tests/test_backend.py checks both ways). Every other
+  backend gets what it got. No switch of its own: with ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` the
+  scope it enters changes nothing.
+
+Nothing here runs at import: backend.py, explain.py and ``__init__.py`` call it. Torch 2.11's
+compilation-metrics log cannot write a function in ``ignore_logging_functions``; that release
+difference is ``compat.loggable_function``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+from typing import Any, Optional
+
+from . import compat, config
+
+log = logging.getLogger(__name__)
+
+
+def transformers_warning_once() -> Optional[Callable]:
+    """transformers' ``warning_once`` (a ``functools.lru_cache`` object that transformers sets as
+    ``logging.Logger.warning_once``), or None when transformers is not imported; never imports it."""
+    hf_logging = sys.modules.get("transformers.utils.logging")
+    fn = getattr(hf_logging, "warning_once", None)
+    return fn if fn is not None and getattr(logging.Logger, "warning_once", None) is fn else None
+
+
+def tune_dynamo() -> dict:
+    """Set the Dynamo options that let real models fuse; idempotent; returns what it changed.
+
+    Dynamo graph-breaks on every ``logging.Logger`` call it traces. transformers logs a
+    ``warning_once`` about ``loss_type=None`` inside ``forward`` of the models whose class name gives
+    no loss type (GPT-2, BERT, CTRL, ... 7 of the 189 causal LMs of the zoo sweep), and that break
+    falls between the lm_head and the loss. So by default (``INDUCTOR_XENT_DYNAMO_TUNING``, config.py)
+    transformers' ``warning_once``, when transformers is already imported, joins
+    ``torch._dynamo.config.ignore_logging_functions``: no graph break on it, and compiled code does not
+    print such a warning (eager code still does). No other logging call is affected.
+
+    The backend calls this when it is looked up and at each call; the option is process-wide (it
+    must hold when Dynamo traces, which is before any backend runs), and a frame Dynamo traced before
+    it was set keeps its graph breaks until it is traced again. ``nested_graph_breaks`` is scoped
+    instead: ``DynamoScope``.
+    """
+    from torch._dynamo import config as dynamo_config
+
+    changed: dict[str, Any] = {}
+    warning_once = transformers_warning_once() if config.dynamo_tuning() else None
+    if warning_once is not None and warning_once not in dynamo_config.ignore_logging_functions:
+        # a new set: torch._dynamo.config.patch (tests, users) restores the old one on exit
+        dynamo_config.ignore_logging_functions = {*dynamo_config.ignore_logging_functions,
+                                                  compat.loggable_function(dynamo_config, warning_once)}
+        changed["ignore_logging_functions"] = warning_once
+        log.info("inductor_xent: added transformers' logger.warning_once to "
+                 "torch._dynamo.config.ignore_logging_functions (no graph break on it; compiled code does not "
+                 "print it); INDUCTOR_XENT_DYNAMO_TUNING=0 leaves Dynamo's configuration alone")
+    config.nested_graph_breaks()  # a bad value is an error here too, before anything is traced
+    return changed
+
+
+class DynamoScope:
+    """The backend's ``backend_ctx_ctor``: Dynamo entered around every call of a function compiled
+    with ``backend="inductor_xent"`` (and around ``explain``'s trace), with ``nested_graph_breaks =
+    True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``; the option is restored when the call
+    returns. A graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo
+    skips) then no longer ends the graph at forward's return, which would hand the logits to the
+    caller: the caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).
+    Scoped because it changes how Dynamo handles every graph break and PyTorch still ships it off:
+    other compiled functions in the process trace as before."""
+
+    def __init__(self):
+        self._patch = None
+
+    def __enter__(self):
+        from torch._dynamo import config as dynamo_config
+
+        if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
+            self._patch = dynamo_config.patch(nested_graph_breaks=True)
+            self._patch.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        patch, self._patch = self._patch, None
+        if patch is not None:
+            patch.__exit__(*exc)
+        return False
+
+
+def honour_backend_ctx() -> bool:
+    """Have ``torch.compile(..., backend=<ours>)`` enter our backend's ``backend_ctx_ctor`` around the
+    compiled calls, as ``torch._dynamo.optimize(<ours>)`` does. ``torch.compile`` wraps every backend
+    in ``torch._TorchCompileWrapper``, and Dynamo's ``get_compiler_fn`` copies the attributes of that
+    wrapper (not of the backend inside it) onto what ``_optimize`` reads ``backend_ctx_ctor`` from,
+    so the attribute is lost. This wraps ``torch._dynamo.eval_frame.get_compiler_fn`` (the name
+    ``_optimize`` and ``optimize_assert`` call) once, to hand the attribute on when the wrapped
+    backend is ours (marked ``_inductor_xent_backend``); every other backend gets what it got. It
+    acts after the entry point has imported us (inside the wrapper's construction, before
+    ``_optimize`` runs), so the first ``torch.compile`` of a process gets it too. Returns whether
+    the hook is in place."""
+    from torch._dynamo import eval_frame
+
+    original = getattr(eval_frame, "get_compiler_fn", None)
+    if original is None:
+        return False
+    if getattr(original, "_inductor_xent_hook", False):
+        return True
+
+    def get_compiler_fn(compiler_fn):
+        result = original(compiler_fn)
+        ours = getattr(compiler_fn, "compiler_fn", compiler_fn)  # torch.compile's wrapper, or the backend
+        ctor = getattr(ours, "backend_ctx_ctor", None)
+        if getattr(ours, "_inductor_xent_backend", False) and ctor is not None:
+            result.backend_ctx_ctor = ctor
+        return result
+
+    get_compiler_fn.__wrapped__ = original
+    get_compiler_fn.__doc__ = original.__doc__
+    get_compiler_fn._inductor_xent_hook = True
+    eval_frame.get_compiler_fn = get_compiler_fn
+    return True
