@@ -1,15 +1,18 @@
 """inductor_xent: fused linear + cross-entropy for torch.compile, with no change to model code.
 
-Public surface: ``linear_cross_entropy`` and ``linear_log_probs`` (the functional API);
+Public surface: ``linear_cross_entropy``, ``linear_log_probs`` and ``linear_distillation_loss`` (the
+functional API);
 ``torch.compile(fn, backend="inductor_xent")`` (the backend, registered through an entry point).
 """
 
 from . import logs as _logs
 from .api import LogProbs, linear_cross_entropy, linear_log_probs
+from .distill import linear_distillation_loss
 from .explain import explain
 from .inductor_pass import install, uninstall
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "LogProbs", "explain", "install", "uninstall"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_distillation_loss", "LogProbs", "explain", "install",
+           "uninstall"]
 
 
 def _backend(gm, example_inputs, **kwargs):

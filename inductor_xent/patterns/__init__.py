@@ -27,6 +27,7 @@ from . import (
     _rewrite,
     _unloop,
     argmax,
+    distill,
     entropy,
     lm_head_cross_entropy,
     log_softmax_nll,
@@ -68,6 +69,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
     reported: set = set()  # heads already in another head's site
     gm.meta[DONE] = True
     _fold_loops(gm, allow_escaping_logits, can_return)
+    sites.extend(_distillation(gm))
     candidates = _candidates(gm.graph)
     output = next(iter(gm.graph.find_nodes(op="output")), None)
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
@@ -91,16 +93,25 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
             site = _report.fused(found.pattern, found.node, found.kinds, found.outcome, how, avoided)
         else:
             site = _report.declined(found.pattern, found.node, found.kinds, found.chain, found.outcome)
-        sites.append(site)
-        kind = "fused" if site.fused else "declined"
-        counters["inductor_xent"][f"sites_{kind}"] += 1
-        counters["inductor_xent"][f"{kind}.{site.pattern}"] += 1
-        log.info("inductor_xent: %s %s site (%s) at %s: %s", kind, site.pattern, site.head, site.node, site.reason)
+        sites.append(_counted(site))
     if any(s.fused for s in sites):
         gm.graph.lint()
         gm.recompile()
     logs.graph(log, gm, "after")
     return sites
+
+
+def _counted(site: SiteReport) -> SiteReport:
+    kind = "fused" if site.fused else "declined"
+    counters["inductor_xent"][f"sites_{kind}"] += 1
+    counters["inductor_xent"][f"{kind}.{site.pattern}"] += 1
+    log.info("inductor_xent: %s %s site (%s) at %s: %s", kind, site.pattern, site.head, site.node, site.reason)
+    return site
+
+
+def _distillation(gm: GraphModule) -> list[SiteReport]:
+    """Two lm_heads' divergence (patterns/distill.py), before the one-head idioms look at the graph."""
+    return [_counted(s) for s in distill.run(gm, log)]
 
 
 def _fold_loops(gm: GraphModule, allow_escaping: bool, can_return: bool) -> None:

@@ -20,7 +20,7 @@ NO_IGNORE = -(2**31)
 
 
 # what a head computes per row of the logits, in the order explain names a site's heads
-HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax"]
+HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "distillation"]
 HEAD_KINDS: tuple[HeadKind, ...] = get_args(HeadKind)
 
 

@@ -1,0 +1,266 @@
+"""Knowledge distillation between two lm_heads without either ``[N, V]`` logits tensor.
+
+A student head (hidden ``[N, Ds]``, weight ``[V, Ds]``) and a teacher head (``[N, Dt]``, ``[V, Dt]``,
+``Dt`` may differ) over one vocabulary; per row, with ``u = z * scale`` (a temperature ``T`` is
+``scale = 1/T``), ``q = softmax(u_student)``, ``p = softmax(u_teacher)``:
+
+* ``forward_kl``: ``KL(p ‖ q) = Σ p (log p − log q)`` (Hinton's KD; ``F.kl_div(log q, p)``),
+* ``reverse_kl``: ``KL(q ‖ p) = Σ q (log q − log p)``,
+* ``jsd``: ``β KL(p ‖ m) + (1 − β) KL(q ‖ m)``, ``m = β p + (1 − β) q`` (TRL's GKD and its limits:
+  β → 0 is forward KL, β → 1 reverse KL; ``0 < β < 1`` here),
+
+0 on rows whose ``target`` is ``ignore_index`` (when a target is given); reduced by ``reduction``:
+``none`` (per row), ``sum``, ``mean`` (over the rows not ignored), ``batchmean`` (the sum over the
+number of rows, as ``F.kl_div`` on a 2-D input). Users multiply by ``T**2`` themselves (Hinton).
+
+The op runs over row chunks (``chunk_rows``, sized from a memory budget): each chunk computes both
+heads' logits with one GEMM each, the divergence and, for a reduced loss, its gradient with respect
+to the student logits right away (``du``), turned into the student's hidden and weight gradients by
+two more GEMMs: four GEMMs in all, as torch.compile's graph, and nothing ``[N, V]`` is kept. The
+backward only scales those gradients by the incoming scalar. ``none`` (per-row incoming
+gradients) recomputes the chunks in the backward instead. The teacher gets gradients only when its
+inputs require them (then two more GEMMs per chunk).
+
+``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
+scale_s, scale_t, reduction, needs) -> (loss, gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the loss ((N,) or
+0-dim float32) and, for a reduced loss, the gradients (empty where not needed; not differentiable);
+``inductor_xent::linear_distill_bwd(grad_rows, ...)`` the per-row case's backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import config
+
+Kind = Literal["forward_kl", "reverse_kl", "jsd"]
+# the ops' outputs (torch.library infers schemas from these annotations: no tuple[Tensor, ...])
+Out7 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+Out6 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+REDUCTIONS = ("none", "sum", "mean", "batchmean")
+# fp32 tensors of a chunk's width alive at once (both heads' logits, log-probs, probabilities, du)
+CHUNK_TENSORS = 8
+CUDA_CHUNK_BYTES = 2 * 2**30  # a chunk's working set on a GPU: large row blocks keep the GEMMs efficient
+
+
+def chunk_rows(n: int, v: int, device: torch.device) -> int:
+    budget = CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
+    return max(1, min(n, budget // max(1, v * 4 * CHUNK_TENSORS)))
+
+
+def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: bool):
+    """Per row of one chunk (fp32 scaled logits ``us``, ``ut``): the divergence, and its gradients
+    with respect to ``us`` and ``ut`` (None where not asked)."""
+    ls, lt = torch.log_softmax(us, -1), torch.log_softmax(ut, -1)
+    q, p = ls.exp(), lt.exp()
+    du_s = du_t = None
+    if kind == "forward_kl":
+        diff = lt - ls
+        rows = (p * diff).sum(-1)
+        if grad_s:
+            du_s = q - p
+        if grad_t:
+            du_t = p * (diff - rows[:, None])
+    elif kind == "reverse_kl":
+        diff = ls - lt
+        rows = (q * diff).sum(-1)
+        if grad_s:
+            du_s = q * (diff - rows[:, None])
+        if grad_t:
+            du_t = p - q
+    else:
+        lm = torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))
+        gt, gs = lt - lm, ls - lm
+        rows = beta * (p * gt).sum(-1) + (1 - beta) * (q * gs).sum(-1)
+        if grad_s:  # d/dq of the divergence is (1 - β)(log q - log m), through the softmax
+            gs = (1 - beta) * gs
+            du_s = q * (gs - (q * gs).sum(-1, keepdim=True))
+        if grad_t:
+            gt = beta * gt
+            du_t = p * (gt - (p * gt).sum(-1, keepdim=True))
+    return rows, du_s, du_t
+
+
+def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], scale: float) -> Tensor:
+    z = F.linear(h, w, b)
+    return z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) * scale
+
+
+def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
+            scale_t: float, row_grad: Optional[Tensor], needs: tuple):
+    """The loss rows and, when ``row_grad`` (the incoming gradient of each row) is given, the
+    gradients ``needs`` asks for (hs, ws, bs, ht, wt, bt)."""
+    n, v = hs.shape[0], ws.shape[0]
+    rows_out = torch.empty(n, device=hs.device, dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32)
+    grads = [None] * 6
+    if row_grad is not None:
+        for i, (t, need) in enumerate(zip((hs, ws, bs, ht, wt, bt), needs)):
+            if need and t is not None:
+                # weights and biases accumulate over the chunks in fp32 (the hidden states' chunks are disjoint)
+                grads[i] = torch.zeros_like(t) if i in (0, 3) else torch.zeros(t.shape, device=t.device,
+                                                                              dtype=rows_out.dtype)
+    grad_s, grad_t = row_grad is not None and any(needs[:3]), row_grad is not None and any(needs[3:])
+    step = chunk_rows(n, v, hs.device)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        us, ut = _logits(hs[sl], ws, bs, scale_s), _logits(ht[sl], wt, bt, scale_t)
+        rows, du_s, du_t = _rows(kind, beta, us, ut, grad_s, grad_t)
+        del us, ut
+        valid = None if target is None else (target[sl] != ignore_index)
+        rows_out[sl] = rows if valid is None else torch.where(valid, rows, 0.0)
+        if row_grad is None:
+            continue
+        g = row_grad[sl] if valid is None else torch.where(valid, row_grad[sl], 0.0)
+        for du, scale, (h, w, b), first in ((du_s, scale_s, (hs, ws, bs), 0), (du_t, scale_t, (ht, wt, bt), 3)):
+            if du is None:
+                continue
+            dz = (du * (g * scale)[:, None]).to(h.dtype)  # d/dz = d/du * scale
+            if needs[first]:
+                grads[first][sl] = dz @ w
+            if needs[first + 1]:
+                grads[first + 1] += (dz.t() @ h[sl]).to(grads[first + 1].dtype)
+            if needs[first + 2] and b is not None:
+                grads[first + 2] += dz.sum(0, dtype=grads[first + 2].dtype)
+    for i, t in enumerate((hs, ws, bs, ht, wt, bt)):
+        if grads[i] is not None:
+            grads[i] = grads[i].to(t.dtype)
+    return rows_out, grads
+
+
+def _reduce(rows: Tensor, target: Optional[Tensor], ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
+    """(the reduced loss, the gradient of it with respect to each row)."""
+    n = rows.shape[0]
+    if reduction == "sum":
+        factor = torch.ones((), device=rows.device, dtype=rows.dtype)
+    elif reduction == "batchmean" or target is None:
+        factor = torch.full((), 1.0 / max(n, 1), device=rows.device, dtype=rows.dtype)
+    else:  # mean over the rows not ignored (NaN when there are none, as F.cross_entropy)
+        factor = 1.0 / (target != ignore_index).sum().to(rows.dtype)
+    return rows.sum() * factor, factor.expand(n)
+
+
+def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
+    return (t if t is not None else like).new_empty(0)
+
+
+@torch.library.custom_op("inductor_xent::linear_distill_fwd", mutates_args=())
+def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
+                       target: Optional[Tensor], ignore_index: int, kind: str, beta: float, scale_s: float,
+                       scale_t: float, reduction: str, needs: list[bool]) -> Out7:
+    if reduction == "none":
+        rows, _ = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, None, needs)
+        return (rows, *(_empty(t, hs) for t in (hs, ws, bs, ht, wt, bt)))
+    # the reduced loss: the gradient of each row is the reduction's factor, known now
+    probe = hs.new_zeros(hs.shape[0], dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32)
+    _, row_grad = _reduce(probe, target, ignore_index, reduction)
+    rows, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad, needs)
+    loss, _ = _reduce(rows, target, ignore_index, reduction)
+    return (loss, *(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt))))
+
+
+@linear_distill_fwd.register_fake
+def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs):
+    dt = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    loss = hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt)
+    grads = [t.new_empty(t.shape) if (need and t is not None and reduction != "none") else
+             (t if t is not None else hs).new_empty(0) for t, need in zip((hs, ws, bs, ht, wt, bt), needs)]
+    return (loss, *grads)
+
+
+@torch.library.custom_op("inductor_xent::linear_distill_bwd", mutates_args=())
+def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
+                       bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str, beta: float,
+                       scale_s: float, scale_t: float, needs: list[bool]) -> Out6:
+    _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
+                       grad_rows.to(torch.float64 if hs.dtype == torch.float64 else torch.float32), needs)
+    return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
+
+
+@linear_distill_bwd.register_fake
+def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, needs):
+    return tuple(t.new_empty(t.shape) if (need and t is not None) else (t if t is not None else hs).new_empty(0)
+                 for t, need in zip((hs, ws, bs, ht, wt, bt), needs))
+
+
+def _setup_context(ctx, inputs, output):
+    hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs = inputs
+    ctx.options = (ignore_index, kind, beta, scale_s, scale_t, list(needs))
+    ctx.reduction = reduction
+    if reduction == "none":
+        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target)
+    else:
+        ctx.save_for_backward(*output[1:])
+
+
+def _backward(ctx, grad_loss, *_grads):
+    ignore_index, kind, beta, scale_s, scale_t, needs = ctx.options
+    saved = ctx.saved_tensors
+    if ctx.reduction == "none":
+        hs, ws, bs, ht, wt, bt, target = saved
+        grads = linear_distill_bwd(grad_loss, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
+                                   scale_s, scale_t, needs)
+    else:
+        grads = [g * grad_loss.to(g.dtype) if g.numel() else g for g in saved]
+    out = [g if (need and g.numel()) else None for g, need in zip(grads, needs)]
+    return (*out, None, None, None, None, None, None, None, None)
+
+
+linear_distill_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def linear_distillation_loss(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    target: Optional[Tensor] = None,
+    *,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    kind: Kind = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    reduction: str = "batchmean",
+) -> Tensor:
+    """The divergence between a student and a teacher lm_head (module docstring), without the
+    ``[N, V]`` logits of either. Equal, up to rounding, to::
+
+        s = F.linear(student_hidden, student_weight, student_bias).float() / temperature
+        t = F.linear(teacher_hidden, teacher_weight, teacher_bias).float() / temperature
+        rows = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
+        # (forward_kl; 0 where target == ignore_index), then reduced by ``reduction``
+
+    ``*_hidden`` are ``[..., D]`` with the same leading shape (``target`` too, when given). The
+    teacher gets gradients where its tensors require them (call it on ``.detach()``-ed tensors, or
+    under ``torch.no_grad()`` for the teacher's forward, to train the student only)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if kind == "jsd" and not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd needs 0 < beta < 1 (beta 0 is forward_kl, 1 reverse_kl), got {beta}")
+    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    if student_weight.dim() != 2 or teacher_weight.dim() != 2 or student_weight.shape[0] != teacher_weight.shape[0]:
+        raise ValueError(f"the weights must be [V, D] with one vocabulary: student {tuple(student_weight.shape)}, "
+                         f"teacher {tuple(teacher_weight.shape)}")
+    lead = student_hidden.shape[:-1]
+    if teacher_hidden.shape[:-1] != lead or (target is not None and target.shape != lead):
+        raise ValueError(f"student hidden {tuple(student_hidden.shape)}, teacher hidden {tuple(teacher_hidden.shape)}"
+                         f" and target {None if target is None else tuple(target.shape)} need one leading shape")
+    if student_hidden.shape[-1] != student_weight.shape[1] or teacher_hidden.shape[-1] != teacher_weight.shape[1]:
+        raise ValueError("each hidden's last dimension must be its weight's D")
+    hs, ht = student_hidden.reshape(-1, student_hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
+    t1 = None if target is None else target.reshape(-1)
+    needs = [bool(x is not None and x.requires_grad and torch.is_grad_enabled())
+             for x in (hs, student_weight, student_bias, ht, teacher_weight, teacher_bias)]
+    out = linear_distill_fwd(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, t1, ignore_index,
+                             kind, float(beta), 1.0 / temperature, 1.0 / temperature, reduction, needs)[0]
+    return out.reshape(lead) if reduction == "none" else out

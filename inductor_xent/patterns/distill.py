@@ -1,0 +1,212 @@
+"""Knowledge distillation between two lm_heads: the divergence of one head's distribution from
+another's, as users write it, becomes one ``inductor_xent::linear_distill_fwd`` call (distill.py) and
+neither ``[N, V]`` logits tensor is computed.
+
+Spellings (``q`` the log-probs of the head whose distribution is fitted, the student's; ``p`` of the
+one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax of it):
+
+* ``F.kl_div(F.log_softmax(s / T, -1), F.softmax(t / T, -1), reduction=...)`` (Hinton KD, TRL, Liger's
+  tests; ``log_target=True`` with ``F.log_softmax(t / T, -1)``), ``reduction`` ``batchmean`` (sum over
+  ``input.size(0)``), ``sum``, ``mean`` (over every element), or ``none`` followed by ``.sum(-1)`` (per
+  row, the user's masking and reduction kept);
+* ``(p * (log_p - log_q)).sum(-1)`` with ``p`` the softmax (or ``exp``) of ``log_p``: KL(p ‖ q) per
+  row, the reverse KL of TRL's and verl's RL code when the student is ``p``.
+
+Whichever head is the student, the op computes ``KL(p ‖ q)`` of the two heads' logits with each
+head's temperature folded into its scale (``LogitsChain.logit_scale``); a head computed without
+gradient (``torch.no_grad()``, ``.detach()``: the teacher) gets its inputs detached, a head with
+gradient gets them. Declines: a softcap, a per-row or per-vocabulary tensor scale, a number added
+to the logits, heads over two vocabularies, logits with other users.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from .. import distill  # noqa: F401 - registers inductor_xent::linear_distill_fwd
+from . import _logits, _report
+from ._fx import Emitter, arg, is_call, norm_dim, same, tval
+from ._site import Decline, log_probs_of, probs_of
+
+PATTERN = "distillation"
+KL_DIV = (F.kl_div,)
+SUM = (torch.sum, "sum")
+SUB = (operator.sub, torch.sub, "sub")
+MUL = (operator.mul, torch.mul, "mul")
+
+
+def run(gm: GraphModule, log) -> list:
+    """Rewrite every distillation site of ``gm``; one ``SiteReport`` per site found. Analysis is
+    pure: a bug there declines the site (logged); a rewrite is not guarded."""
+    reports = []
+    for node in [*gm.graph.find_nodes(op="call_function", target=F.kl_div),
+                 *gm.graph.find_nodes(op="call_method", target="sum"),
+                 *gm.graph.find_nodes(op="call_function", target=torch.sum)]:
+        if node.graph is not gm.graph or not node.users:
+            continue
+        try:
+            found = _match(node)
+            reason = None if found is None or isinstance(found, Decline) else _check(found)
+        except Exception as e:  # noqa: BLE001
+            log.warning("inductor_xent: internal error analysing %s; site left alone", node.name, exc_info=True)
+            found, reason = Decline(PATTERN, node, f"internal error in the pass (please report): {e!r}"), None
+        if found is None:
+            continue
+        if isinstance(found, Decline) or reason:
+            why = found if isinstance(found, Decline) else Decline(PATTERN, node, reason)
+            chain = None if isinstance(found, Decline) or isinstance(found["q"], Decline) else found["q"]
+            reports.append(_report.declined(PATTERN, node.name, ("distillation",), chain, why))
+            continue
+        reports.append(_rewrite(gm, node, found))
+    return reports
+
+
+def _head(lp: Optional[object]) -> Optional[Union[_logits.LogitsChain, Decline]]:
+    if lp is None or lp.dim != tval(lp.logits).dim() - 1 or lp.lse:
+        return None
+    return _logits.trace(lp.logits)
+
+
+def _match(node: Node) -> Union[dict, Decline, None]:
+    """{"q": chain, "p": chain, "rows": per row, "reduce": how, "nodes": the expression's nodes, "out":
+    the node replaced} for a distillation spelling at ``node``, a Decline, or None."""
+    if is_call(node, KL_DIV):
+        inp, target = arg(node, 0, "input"), arg(node, 1, "target")
+        log_target = arg(node, 4, "log_target", False)
+        reduction = arg(node, 3, "reduction", "mean")
+        if arg(node, 2, "size_average") is not None or node.kwargs.get("reduce") is not None:
+            return None
+        lq = log_probs_of(inp)
+        lp = log_probs_of(target) if log_target else probs_of(target)
+        q, p = _head(lq), _head(lp)
+        if q is None or p is None:
+            return None
+        if reduction == "none":
+            return None  # elementwise: only the per-row sum below (node.sum(-1)) is a site
+        if reduction not in ("batchmean", "sum", "mean"):
+            return Decline(PATTERN, node, f"kl_div reduction {reduction!r}")
+        return dict(q=q, p=p, reduce=reduction, out=node, inp=inp, nodes=(node, *lq.nodes, *lp.nodes))
+    # per row: kl_div(..., reduction="none").sum(-1), or (P * (log_p - log_q)).sum(-1)
+    src = arg(node, 0, "input")
+    dim = arg(node, 1, "dim")
+    if not isinstance(src, Node) or tval(src) is None or norm_dim(dim, tval(src).dim()) != tval(src).dim() - 1 \
+            or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype") is not None:
+        return None
+    if is_call(src, KL_DIV) and arg(src, 3, "reduction", "mean") == "none":
+        inner = _match_kl_none(src)
+        return None if inner is None else dict(inner, reduce="none", out=node, nodes=(node, *inner["nodes"]))
+    if is_call(src, MUL) and len(src.args) == 2 and not src.kwargs:
+        for prob, diff in (src.args, reversed(src.args)):
+            if not (is_call(diff, SUB) and len(diff.args) == 2 and not diff.kwargs):
+                continue
+            lp, lq = log_probs_of(diff.args[0]), log_probs_of(diff.args[1])
+            pr = probs_of(prob)
+            if lp is None or lq is None or pr is None or pr.logits is not lp.logits:
+                continue
+            q, p = _head(lq), _head(lp)
+            if q is None or p is None:
+                return None
+            return dict(q=q, p=p, reduce="none", out=node, nodes=(node, src, diff, *lq.nodes, *lp.nodes, *pr.nodes))
+    return None
+
+
+def _match_kl_none(kl: Node) -> Optional[dict]:
+    inp, target = arg(kl, 0, "input"), arg(kl, 1, "target")
+    lq = log_probs_of(inp)
+    lp = log_probs_of(target) if arg(kl, 4, "log_target", False) else probs_of(target)
+    q, p = _head(lq), _head(lp)
+    if q is None or p is None:
+        return None
+    return dict(q=q, p=p, nodes=(kl, *lq.nodes, *lp.nodes))
+
+
+def _check(f: dict) -> Optional[str]:
+    """Why the two heads cannot become the op, or None."""
+    for role, c in (("fitted", f["q"]), ("target", f["p"])):
+        if isinstance(c, Decline):
+            return c.reason
+        if c.softcap is not None or c.bias_shift or c.shift:
+            return f"the {role} head's logits are softcapped or shifted (not supported in distillation)"
+        if c.weight_scale is not None or c.row_scaled:
+            return f"the {role} head's logits are scaled by a tensor (not supported in distillation)"
+        if c.logit_scale <= 0:
+            return f"the {role} head's temperature is not positive"
+    q, p = f["q"], f["p"]
+    if not same(q.vd[0], p.vd[0]):
+        return f"the two heads have different vocabularies ({q.vd[0]} and {p.vd[0]})"
+    tq, tp = tval(q.nodes[-1]), tval(p.nodes[-1])
+    if tq.shape != tp.shape:
+        return f"the two heads' logits have different shapes ({tuple(tq.shape)} and {tuple(tp.shape)})"
+    if q.matmul is p.matmul:
+        return "both distributions come from one lm_head"
+    devices = {tval(n).device for n in (q.hidden, q.weight, p.hidden, p.weight)}
+    if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+        return f"unsupported device(s) {sorted(map(str, devices))}"
+    mine = set(f["nodes"]) | set(q.nodes) | set(p.nodes)
+    others = sorted({u.name for n in mine if n is not f["out"] for u in n.users if u not in mine})
+    if others:
+        return f"the logits have other users ({', '.join(others)})"
+    return None
+
+
+def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
+    """(hidden [N, D], weight [V, D], bias) of a head for the op, in its matmul's dtype, detached when
+    the head is computed without gradient (the teacher under torch.no_grad())."""
+    d = c.vd[1] if isinstance(c.vd[1], int) else e.method("size", c.weight, 1 if c.weight_is_vd else 0)
+    hidden = _logits.replay(e, c.hidden, [op for _, op in c.shape_ops], d)
+    hidden = e.method("reshape", hidden, (-1, d))
+    weight = c.weight if c.weight_is_vd else e.method("t", c.weight)
+    bias = c.bias
+    dtype = tval(c.matmul).dtype
+    no_grad = c.detached or not tval(c.matmul).requires_grad
+    out = []
+    for t in (hidden, weight, bias):
+        if t is None:
+            out.append(None)
+            continue
+        if tval(t).dtype != dtype:
+            t = e.method("to", t, dtype)
+        if no_grad and tval(t).requires_grad:
+            t = e.method("detach", t)
+        out.append(t)
+    return tuple(out)
+
+
+def _rewrite(gm: GraphModule, node: Node, f: dict):
+    q, p, graph = f["q"], f["p"], gm.graph
+    e = Emitter(graph, node, node)  # at the loss: both heads' inputs exist there
+    hs, ws, bs = _operands(e, q)
+    ht, wt, bt = _operands(e, p)
+    needs = [bool(t is not None and tval(t).requires_grad) for t in (hs, ws, bs, ht, wt, bt)]
+    reduce = f["reduce"]
+    op_reduction = "none" if reduce == "none" else "sum"
+    out = e.call(torch.ops.inductor_xent.linear_distill_fwd.default, hs, ws, bs, ht, wt, bt, None, -100,
+                 "forward_kl", 0.5, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
+    value = e.getitem(out, 0)
+    if reduce == "none":
+        value = e.method("view", value, e.getitem(e.method("size", q.nodes[-1]), slice(None, -1)))
+    elif reduce == "batchmean":
+        value = e.call(operator.truediv, value, e.method("size", f["inp"], 0))
+    elif reduce == "mean":
+        value = e.call(operator.truediv, value, e.method("numel", f["inp"]))
+    if tval(value).dtype != tval(node).dtype:
+        value = e.method("to", value, tval(node).dtype)
+    node.replace_all_uses_with(value)
+    avoided, dead = 0, {*f["nodes"], *q.nodes, *p.nodes}
+    for n in reversed(list(graph.nodes)):
+        if n in dead and not n.users:
+            t = tval(n)
+            if t is not None and n in (q.matmul, p.matmul):
+                avoided += t.numel() * t.element_size()
+            graph.erase_node(n)
+    return _report.SiteReport(PATTERN, True, f"fused: KL(p || q) of two lm_heads in one op, reduction={reduce}, "
+                              f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
+                              + (", the target head without gradient" if not any(needs[3:]) else ""),
+                              node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
+                              strategy="store" if reduce != "none" else "recompute",
+                              strategy_reason="gradients in the forward" if reduce != "none" else "recompute")

@@ -1,0 +1,196 @@
+"""Distillation between two lm_heads (inductor_xent/distill.py, patterns/distill.py): the op
+against a float64 reference for every divergence and reduction, with student and teacher
+gradients; the spellings the pass fuses (Hinton's kl_div, log-target kl_div, per-row KL sums) with
+eager's values and gradients and no [N, V] tensor left; declines with their reasons."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inductor_xent
+from inductor_xent.distill import KINDS, REDUCTIONS, linear_distillation_loss
+
+from .helpers import Recorder, assert_parity, assert_within_torch_error, fused_ops, logits_sized
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+B, T, DS, DT, V = 2, 5, 8, 12, 29  # the teacher wider than the student
+
+
+def _inputs(seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, V, (B, T), generator=g)
+    y[0, ::2] = -100
+    return dict(hs=torch.randn(B, T, DS, generator=g).to(dtype), ws=(torch.randn(V, DS, generator=g) * 0.7).to(dtype),
+                bs=torch.randn(V, generator=g).to(dtype), ht=torch.randn(B, T, DT, generator=g).to(dtype),
+                wt=(torch.randn(V, DT, generator=g) * 0.7).to(dtype), y=y)
+
+
+def _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=None):
+    """The divergence written out in PyTorch, on logits computed in the inputs' dtype."""
+    s = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32) / temperature
+    t = F.linear(ht, wt).to(s.dtype) / temperature
+    ls, lt = s.log_softmax(-1), t.log_softmax(-1)
+    if kind == "forward_kl":
+        rows = F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1)
+    elif kind == "reverse_kl":
+        rows = F.kl_div(lt, ls, log_target=True, reduction="none").sum(-1)
+    else:
+        lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), 0)
+        rows = beta * F.kl_div(lm, lt, log_target=True, reduction="none").sum(-1) \
+            + (1 - beta) * F.kl_div(lm, ls, log_target=True, reduction="none").sum(-1)
+    valid = y != -100
+    rows = torch.where(valid, rows, 0.0)
+    return {"none": rows, "sum": rows.sum(), "mean": rows.sum() / valid.sum(),
+            "batchmean": rows.sum() / rows.numel()}[reduction]
+
+
+def _run(fn, ins: dict, dtype=None, teacher_grad=True):
+    leaves = {k: (v.detach().to(dtype or v.dtype).requires_grad_(k in ("hs", "ws", "bs") or teacher_grad)
+                  if v.is_floating_point() else v) for k, v in ins.items()}
+    out = fn(**leaves)
+    seed = torch.Generator().manual_seed(1)
+    g = torch.randn(out.shape, generator=seed, dtype=out.dtype)
+    names = [k for k, v in leaves.items() if v.is_floating_point() and v.requires_grad]
+    grads = torch.autograd.grad(out, [leaves[k] for k in names], g, allow_unused=True)
+    return out.detach(), {k: v for k, v in zip(names, grads) if v is not None}
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_op_matches_float64_with_student_and_teacher_gradients(kind, reduction):
+    ins = _inputs()
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, kind=kind, beta=0.3, temperature=1.7,
+                                        reduction=reduction)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        return _reference(hs, ws, ht, wt, y, kind, 0.3, 1.7, reduction, bs=bs)
+
+    out, grads = _run(ours, ins)
+    same, same_g = _run(theirs, ins)
+    exact, exact_g = _run(theirs, ins, torch.float64)
+    assert_within_torch_error(out, same, exact, what=f"{kind} {reduction} loss")
+    assert set(grads) == set(same_g) == {"hs", "ws", "bs", "ht", "wt"}
+    for k in grads:
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {reduction} grad {k}")
+
+
+def test_op_in_bfloat16_within_torch_error():
+    ins = _inputs()
+    f = dict(kind="forward_kl", temperature=2.0, reduction="mean")
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, **f)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        return _reference(hs, ws, ht, wt, y, f["kind"], 0.5, f["temperature"], f["reduction"], bs=bs)
+
+    out, grads = _run(ours, ins, torch.bfloat16, teacher_grad=False)
+    same, same_g = _run(theirs, ins, torch.bfloat16, teacher_grad=False)
+    exact, exact_g = _run(theirs, {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in ins.items()},
+                          torch.float64, teacher_grad=False)
+    assert_within_torch_error(out, same, exact, what="bf16 loss")
+    for k in grads:
+        assert grads[k].dtype == torch.bfloat16
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"bf16 grad {k}")
+
+
+def test_op_refuses_bad_arguments():
+    ins = _inputs()
+    with pytest.raises(ValueError, match="kind must be one of"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], kind="kl")
+    with pytest.raises(ValueError, match="0 < beta < 1"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], kind="jsd", beta=1.0)
+    with pytest.raises(ValueError, match="one vocabulary"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"][:-1])
+    with pytest.raises(ValueError, match="temperature"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], temperature=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass
+# ---------------------------------------------------------------------------------------------
+def _hinton(hs, ws, ht, wt, **_):
+    """Hinton KD as TRL's / Liger's tests write it: the teacher under no_grad, batchmean, T**2."""
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    temp = 2.0
+    return F.kl_div(F.log_softmax(s / temp, dim=-1), F.softmax(t / temp, dim=-1), reduction="batchmean") * temp**2
+
+
+def _log_target_masked(hs, ws, bs, ht, wt, y, **_):
+    """Per-row forward KL with log_target, upcast logits, a masked mean over the label positions."""
+    s = F.linear(hs, ws, bs).float()
+    t = F.linear(ht, wt).detach().float()
+    rows = F.kl_div(F.log_softmax(s, -1), F.log_softmax(t, -1), reduction="none", log_target=True).sum(-1)
+    mask = (y != -100).float()
+    return (rows * mask).sum() / mask.sum()
+
+
+def _reverse_rows(hs, ws, ht, wt, **_):
+    """Reverse KL per row, ``(p_s * (logp_s - logp_t)).sum(-1)`` (the student is p), at T = 0.7."""
+    ls = (F.linear(hs, ws) / 0.7).log_softmax(-1)
+    lt = (F.linear(ht, wt).detach() / 0.7).log_softmax(-1)
+    return (ls.exp() * (ls - lt)).sum(-1).mean()
+
+
+def _both_trained(hs, ws, ht, wt, **_):
+    """Mutual learning: both heads get gradients (``sum``)."""
+    return F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.softmax(F.linear(ht, wt), -1), reduction="sum")
+
+
+FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
+         "both_trained": _both_trained}
+
+
+@pytest.mark.parametrize("name", sorted(FUSED))
+def test_spelling_fuses_with_eager_values_and_gradients(name):
+    fn = FUSED[name]
+    ins = _inputs()
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == len(report.sites) == 1, str(report)
+    assert report.sites[0].pattern == "distillation" and "two lm_heads" in report.sites[0].reason
+    rec = Recorder()
+    assert_parity(fn, ins, rec, what=name)
+    assert fused_ops(rec.after[0]) == 0  # the distillation op, not the cross-entropy ones
+    assert torch.ops.inductor_xent.linear_distill_fwd.default in rec.after[0]
+    assert not logits_sized(rec.graphs, rows=B * T), "no [N, V] tensor is left in the graph"
+
+
+def test_teacher_under_no_grad_gets_no_gradient():
+    ins = {k: v.requires_grad_(v.is_floating_point()) for k, v in _inputs().items()}
+    torch.compile(_hinton, backend="inductor_xent", options={"xent.inner": "aot_eager"})(**ins).backward()
+    assert ins["ws"].grad is not None and ins["wt"].grad is None and ins["ht"].grad is None
+
+
+def test_compiles_through_inductor():
+    ins = _inputs()
+    le, ge = _run(_hinton, ins, teacher_grad=False)
+    lc, gc = _run(torch.compile(_hinton, backend="inductor_xent"), ins, teacher_grad=False)
+    torch.testing.assert_close(lc, le, rtol=1e-5, atol=1e-6)
+    for k in ge:
+        torch.testing.assert_close(gc[k], ge[k], rtol=1e-4, atol=1e-6)
+
+
+def test_declines_say_why():
+    ins = _inputs()
+
+    def softcapped(hs, ws, ht, wt, **_):
+        s = 30.0 * torch.tanh(F.linear(hs, ws) / 30.0)
+        return F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+
+    def other_user(hs, ws, ht, wt, **_):
+        s = F.linear(hs, ws)
+        kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+        return kd + 1e-3 * s.pow(2).mean()
+
+    for fn, words in ((softcapped, "softcapped"), (other_user, "other users")):
+        report = inductor_xent.explain(fn, **ins)
+        assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
