@@ -318,6 +318,7 @@ def profile_kernels(h, w, t):
     """GPU time per kernel of one forward and one backward (default configs), from the profiler."""
     from torch.profiler import ProfilerActivity, profile
 
+    from inductor_xent import strategy
     from inductor_xent.options import LossOptions
     from inductor_xent.templates import launch
 
@@ -325,11 +326,12 @@ def profile_kernels(h, w, t):
     gl, gs = torch.full((n,), 1.0 / n, device="cuda"), torch.zeros(n, device="cuda")
     _, lse, lo = launch.forward(h, w, None, t, o)
     launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False))
+    acc = strategy.fp32_accumulate(n, n // 2, w.element_size(), True)  # as the op decides
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         launch.forward(h, w, None, t, o)
         launch.backward(gl, gs, h, w, None, t, lse, lo, o, (True, True, False))
-        launch.store(h, w, None, t, o, "mean", h.shape[0] // 2, (True, True, False))
+        launch.store(h, w, None, t, o, "mean", n // 2, (True, True, False), fp32_accumulate=acc)
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=60))
 
@@ -435,6 +437,7 @@ def store_sweep(shapes, quick, names):
     width): each config's whole store op (2 chunks, loss and both gradients) against the default's
     results and time. A smaller tile can fit two programs per SM, so that one's epilogue (exp, the
     E store) overlaps the other's matmul."""
+    from inductor_xent import strategy
     from inductor_xent.options import LossOptions
     from inductor_xent.templates import configs, launch
 
@@ -443,9 +446,10 @@ def store_sweep(shapes, quick, names):
         shape = SHAPES[shape_name]
         h, w, t = make_data(shape, "gauss")
         rows = shape.n // 2
+        acc = strategy.fp32_accumulate(shape.n, rows, w.element_size(), True)  # as the op decides
 
-        def run(cfg=None, h=h, w=w, t=t, rows=rows):
-            return launch.store(h, w, None, t, o, "mean", rows, (True, True, False), cfg=cfg)
+        def run(cfg=None, h=h, w=w, t=t, rows=rows, acc=acc):
+            return launch.store(h, w, None, t, o, "mean", rows, (True, True, False), fp32_accumulate=acc, cfg=cfg)
 
         base = run()
         for name in names:

@@ -279,8 +279,11 @@ def linear_ce_store(
     logits = _logits_output(hidden, weight, write_logits)
     out = logits if write_logits else None
     if use_triton(hidden):
-        return (*_kernels(hidden).store(hidden, weight, bias, target, opts, reduction, chunk_rows, needs, logits=out),
-                logits)
+        # the precision rule decided here, with the chunks the launcher will take (the chunked path
+        # accumulates in its compute dtype, fp32 or fp64, always)
+        fp32_acc = strategy.fp32_accumulate(hidden.shape[0], chunk_rows, weight.element_size(), needs_weight)
+        return (*_kernels(hidden).store(hidden, weight, bias, target, opts, reduction, chunk_rows, needs,
+                                        fp32_accumulate=fp32_acc, logits=out), logits)
     return (*fallback.store(hidden, weight, bias, target, opts, reduction, needs, logits=out), logits)
 
 

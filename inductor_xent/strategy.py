@@ -5,8 +5,7 @@
 * ``store``: one pass over row chunks computes the loss and, from the same logits, the gradients
   of the reduced loss; the backward scales them by the incoming scalar. 6·N·D·V FLOPs; holds the
   gradients from forward to backward, one chunk of logits, and an fp32 weight-gradient
-  accumulator when a low-precision weight would otherwise be rounded after more than
-  ``LOWP_ACCUMULATE_CHUNKS`` row chunks.
+  accumulator where the precision rule (``fp32_accumulate``) asks for one.
 * ``auto`` (default): ``store`` when the reduction allows it and its extra memory fits the budget,
   else ``recompute``.
 
@@ -89,9 +88,18 @@ def store_bytes(n: int, v: int, d: int, itemsize: int, weight_itemsize: int, chu
     not counted: they are the gradients (under torch.compile the backward's scaling reuses their
     buffers, AOTAutograd's donated buffers; eagerly it scales them in place, or makes one more copy
     under retain_graph)."""
-    chunks = -(-n // max(1, chunk_rows))
-    fp32_acc = weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS and need_weight
+    fp32_acc = fp32_accumulate(n, chunk_rows, weight_itemsize, need_weight)
     return chunk_rows * _per_row(v, itemsize) + (v * d * 4 if fp32_acc else 0), fp32_acc
+
+
+def fp32_accumulate(n: int, chunk_rows: int, weight_itemsize: int, need_weight: bool) -> bool:
+    """The precision rule of ``store``, the one place it is stated: the weight gradient accumulates in
+    an fp32 ``[V, D]`` buffer when the weight is 16-bit and its gradient would otherwise be rounded
+    once per row chunk over more than LOWP_ACCUMULATE_CHUNKS chunks of ``chunk_rows`` rows (0: all
+    ``n`` rows in one chunk). The plan's memory estimate (``store_bytes``) and the store op (which
+    passes the answer to the Triton launcher) both ask it."""
+    chunks = -(-n // chunk_rows) if chunk_rows > 0 else 1
+    return need_weight and weight_itemsize < 4 and chunks > LOWP_ACCUMULATE_CHUNKS
 
 
 def _per_row(v: int, itemsize: int) -> int:
@@ -108,8 +116,8 @@ def chunk_rows(n: int, v: int, d: int, dtype: torch.dtype, weight_dtype: torch.d
                budget) -> int:
     """Rows per chunk of ``store`` within ``budget`` (0 when MIN_CHUNK_ROWS do not fit): the
     fewest chunks (fewer roundings of a low-precision weight gradient, fewer passes), then chunks
-    of equal size (the least memory for that count). A chunk count over LOWP_ACCUMULATE_CHUNKS
-    adds the fp32 accumulator, which must fit too. The store op calls this at run time with the
+    of equal size (the least memory for that count). Where ``fp32_accumulate`` asks for the fp32
+    accumulator at that chunk count, it must fit too. The store op calls this at run time with the
     real N, so eager and compiled calls chunk alike, and a dynamic N is chunked for its size."""
     n = max(int(n), 1)
     kind, amount = config.parse_budget(budget)

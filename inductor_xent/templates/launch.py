@@ -18,7 +18,6 @@ from torch import Tensor
 
 from .. import config
 from ..options import KERNEL_DTYPES, LossOptions
-from ..strategy import LOWP_ACCUMULATE_CHUNKS
 from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
@@ -377,12 +376,14 @@ def store(
     chunk_rows: int,  # rows per chunk (0: all rows at once)
     needs: tuple[bool, bool, bool],
     *,
+    fp32_accumulate: bool,  # grad_weight accumulates over the chunks in an fp32 [V, D] buffer
     cfg: Optional[KernelConfig] = None,
-    fp32_accumulate: Optional[bool] = None,  # the benchmark's --store-options; the precision rule otherwise
     logits: Optional[Tensor] = None,  # (N, V): receives hidden @ weight.T + bias (write_logits)
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The reduced loss (0-dim fp32) and its gradients (hidden, weight, bias) from one pass over row
-    chunks (store.py has the steps); a gradient not in ``needs`` is an empty (0,) tensor."""
+    chunks (store.py has the steps); a gradient not in ``needs`` is an empty (0,) tensor.
+    ``fp32_accumulate`` is the caller's decision (the op's: ``strategy.fp32_accumulate``, the precision
+    rule; the benchmark's ``--store-options``); without it grad_weight is accumulated in its own dtype."""
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     n, d = hidden.shape
@@ -404,12 +405,8 @@ def store(
 
     cfg = cfg or configs.store_config(hidden.dtype)
     chunk = min(n, chunk_rows or n)
-    chunks = triton.cdiv(n, chunk)
     num_tiles = triton.cdiv(v, cfg.block_n)
-    lowp = weight.element_size() < 4
-    fp32_acc = lowp and chunks > LOWP_ACCUMULATE_CHUNKS and need_w
-    if fp32_accumulate is not None:
-        fp32_acc = fp32_accumulate and need_w
+    fp32_acc = fp32_accumulate and need_w
     acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if fp32_acc else None
     interpret = config.triton_interpret()
     # E in fp16 for 16-bit inputs (values in (0, 1]: 11 significant bits), fp32 for fp32 inputs and
