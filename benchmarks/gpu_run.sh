@@ -20,6 +20,7 @@
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   e2e_modes  the same step under autocast (fp32 parameters), as a whole-model compile (bf16), and both
 #           (bench e2e --modes autocast,whole,whole_autocast: issue 23's variants)
+#   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
 #           idle gaps
@@ -116,6 +117,8 @@ for step in ${STEPS//,/ }; do
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
         e2e_modes) timeout ${E2E_MODES_S:-420} python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --modes autocast,whole,whole_autocast \
                    --out "$OUT/modes" 2>&1 | grep -v "it/s\]" | tee "$OUT/e2e_modes.log" | tail -16 ;;
+        distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick ${DISTILL_METHODS:+--methods $DISTILL_METHODS} --out "$OUT" 2>&1 \
+                   | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
         rl)    timeout 150 python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
         profile) timeout 150 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_compiled 2>&1 \
@@ -141,7 +144,7 @@ done
 echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log pytest_dynamo.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
-         rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log fwdk.log bwdk.log bench_gemma.log bench.log e2e.log \
+         distill.log bench_distill.json rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log fwdk.log bwdk.log bench_gemma.log bench.log e2e.log \
          e2e_modes.log modes/bench_e2e.json; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done

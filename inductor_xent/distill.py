@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config
+from . import config, strategy
 
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
 # the ops' outputs (torch.library infers schemas from these annotations: no tuple[Tensor, ...])
@@ -46,7 +46,10 @@ KINDS = ("forward_kl", "reverse_kl", "jsd")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 # fp32 tensors of a chunk's width alive at once (both heads' logits, log-probs, probabilities, du)
 CHUNK_TENSORS = 8
-CUDA_CHUNK_BYTES = 2 * 2**30  # a chunk's working set on a GPU: large row blocks keep the GEMMs efficient
+# a chunk's working set on a GPU: large row blocks keep the GEMMs efficient. H200, bf16, student
+# 8192 x 4096, teacher D 8192, V 128256, Hinton KD fwd+bwd against torch.compile's 70.3 ms / 4946 MiB:
+# 1 GiB 112.8 ms; 2 GiB 84.7; 4 GiB 73.9 ms / 2217 MiB; 8 GiB 70.1 ms / 3050 MiB (benchmarks/RESULTS.md)
+CUDA_CHUNK_BYTES = 4 * 2**30
 
 
 def chunk_rows(n: int, v: int, device: torch.device) -> int:
@@ -87,9 +90,42 @@ def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: 
     return rows, du_s, du_t
 
 
-def _logits(h: Tensor, w: Tensor, b: Optional[Tensor], scale: float) -> Tensor:
-    z = F.linear(h, w, b)
-    return z.to(torch.float64 if z.dtype == torch.float64 else torch.float32) * scale
+def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Tensor], kind: str, beta: float,
+                scale_s: float, scale_t: float, grad_s: bool, grad_t: bool):
+    """One chunk's rows (0 where not ``valid``) and the gradients with respect to the two heads'
+    logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``."""
+    work = torch.float64 if zs.dtype == torch.float64 else torch.float32
+    rows, du_s, du_t = _rows(kind, beta, zs.to(work) * scale_s, zt.to(work) * scale_t, grad_s, grad_t)
+    if valid is not None:
+        rows = torch.where(valid, rows, 0.0)
+        g = None if g is None else torch.where(valid, g, 0.0)
+    dz_s = None if du_s is None else (du_s * (g * scale_s)[:, None]).to(zs.dtype)  # d/dz = d/du * scale
+    dz_t = None if du_t is None else (du_t * (g * scale_t)[:, None]).to(zt.dtype)
+    return rows, dz_s, dz_t
+
+
+_fused_chunk_math = None
+
+
+def _math_for(device: torch.device):
+    """The chunk math: on CUDA compiled once by Inductor into a few fused kernels (eager PyTorch would
+    make a dozen passes over each [rows, V] chunk); eager elsewhere."""
+    global _fused_chunk_math
+    if device.type != "cuda":
+        return _chunk_math
+    if _fused_chunk_math is None:
+        _fused_chunk_math = torch.compile(_chunk_math, dynamic=False, fullgraph=True)
+    return _fused_chunk_math
+
+
+def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, with fp32 accumulation into an fp32 ``acc`` from 16-bit ``a``, ``b`` on CUDA."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif a.device.type == "cuda":
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc += (a.to(acc.dtype) @ b.to(acc.dtype))
 
 
 def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
@@ -97,34 +133,34 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     """The loss rows and, when ``row_grad`` (the incoming gradient of each row) is given, the
     gradients ``needs`` asks for (hs, ws, bs, ht, wt, bt)."""
     n, v = hs.shape[0], ws.shape[0]
-    rows_out = torch.empty(n, device=hs.device, dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32)
+    work = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    rows_out = torch.empty(n, device=hs.device, dtype=work)
+    step = chunk_rows(n, v, hs.device)
     grads = [None] * 6
     if row_grad is not None:
         for i, (t, need) in enumerate(zip((hs, ws, bs, ht, wt, bt), needs)):
             if need and t is not None:
-                # weights and biases accumulate over the chunks in fp32 (the hidden states' chunks are disjoint)
-                grads[i] = torch.zeros_like(t) if i in (0, 3) else torch.zeros(t.shape, device=t.device,
-                                                                              dtype=rows_out.dtype)
+                # the hidden states' chunks are disjoint; a weight's and a bias's gradient sum over the
+                # chunks, in fp32 when a 16-bit one would be rounded too often (strategy.fp32_accumulate)
+                wide = i not in (0, 3) and strategy.fp32_accumulate(n, step, t.element_size(), True)
+                grads[i] = torch.zeros(t.shape, device=t.device, dtype=work if wide else t.dtype)
     grad_s, grad_t = row_grad is not None and any(needs[:3]), row_grad is not None and any(needs[3:])
-    step = chunk_rows(n, v, hs.device)
+    math_fn = _math_for(hs.device)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
-        us, ut = _logits(hs[sl], ws, bs, scale_s), _logits(ht[sl], wt, bt, scale_t)
-        rows, du_s, du_t = _rows(kind, beta, us, ut, grad_s, grad_t)
-        del us, ut
+        zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
         valid = None if target is None else (target[sl] != ignore_index)
-        rows_out[sl] = rows if valid is None else torch.where(valid, rows, 0.0)
-        if row_grad is None:
-            continue
-        g = row_grad[sl] if valid is None else torch.where(valid, row_grad[sl], 0.0)
-        for du, scale, (h, w, b), first in ((du_s, scale_s, (hs, ws, bs), 0), (du_t, scale_t, (ht, wt, bt), 3)):
-            if du is None:
+        g = None if row_grad is None else row_grad[sl]
+        rows, dz_s, dz_t = math_fn(zs, zt, g, valid, kind, beta, scale_s, scale_t, grad_s, grad_t)
+        del zs, zt
+        rows_out[sl] = rows
+        for dz, (h, w, b), first in ((dz_s, (hs, ws, bs), 0), (dz_t, (ht, wt, bt), 3)):
+            if dz is None:
                 continue
-            dz = (du * (g * scale)[:, None]).to(h.dtype)  # d/dz = d/du * scale
             if needs[first]:
                 grads[first][sl] = dz @ w
             if needs[first + 1]:
-                grads[first + 1] += (dz.t() @ h[sl]).to(grads[first + 1].dtype)
+                _acc_mm(grads[first + 1], dz.t(), h[sl])
             if needs[first + 2] and b is not None:
                 grads[first + 2] += dz.sum(0, dtype=grads[first + 2].dtype)
     for i, t in enumerate((hs, ws, bs, ht, wt, bt)):

@@ -1,0 +1,207 @@
+"""Distillation head benchmark: Hinton KD between a student and a teacher lm_head (issue 25).
+
+    python benchmarks/bench_distill.py [--shape 8192x4096x8192x128256] [--methods ...] [--out DIR]
+        [--quick] [--device cuda|cpu]
+
+The spelling timed (the teacher under ``torch.no_grad()``, T = 2, forward + backward w.r.t. the
+student's hidden states and weight)::
+
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    loss = F.kl_div(F.log_softmax(s / T, -1), F.softmax(t / T, -1), reduction="batchmean") * T**2
+
+Methods: ``cublas`` the four GEMMs alone (student and teacher logits, dH, dW: the floor);
+``compile`` the spelling under torch.compile (Inductor); ``ours`` ``inductor_xent.linear_distillation_loss``;
+``ours_compiled`` the spelling under ``torch.compile(backend="inductor_xent")`` (the pass fuses it);
+``liger`` Liger-Kernel's ``LigerFusedLinearJSDLoss`` with ``jsd_beta=0`` (its forward-KL limit;
+teacher logits computed by Liger in chunks too), when installed.
+
+Accounting: median of ``triton.testing.do_bench`` (bench_kernels.bench_ms); extra MiB: the peak
+allocation during one call minus the allocation before it, minus the two gradient buffers. Errors:
+‖x − ref‖/‖ref‖ of the loss and gradients against the spelling in fp32 (TF32 off) on the same
+bf16 inputs, at 1024 rows. Target (issue 25): fwd+bwd ≤ 1.00× torch.compile with ≤ 10 % of its
+extra memory.
+
+``--device cpu`` is a dry run on tiny shapes (it checks the harness, not the speed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402
+
+import inductor_xent  # noqa: E402
+
+TEMP = 2.0
+METHODS = ("cublas", "compile", "ours", "ours_compiled", "liger", "liger_chunked")
+
+
+def spelling(hs, ws, ht, wt):
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    return F.kl_div(F.log_softmax(s / TEMP, -1), F.softmax(t / TEMP, -1), reduction="batchmean") * TEMP**2
+
+
+def ours(hs, ws, ht, wt):
+    return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), temperature=TEMP,
+                                                  reduction="batchmean") * TEMP**2
+
+
+def liger_fn(name):
+    """Liger-Kernel's explicit distillation ops at their forward-KL limit (beta = 0): ``liger`` its Triton
+    ``LigerFusedLinearJSD``, ``liger_chunked`` its torch.compile'd ``chunked_loss.LigerFusedLinearJSDLoss``
+    (soft loss only). Their normalisation differs from the spelling's (no T**2): no error column."""
+    try:
+        if name == "liger":
+            from liger_kernel.transformers.fused_linear_jsd import LigerFusedLinearJSD
+            loss = LigerFusedLinearJSD(jsd_beta=0.0, temperature=TEMP)
+            return (lambda hs, ws, ht, wt: loss(hs, ws, ht.detach(), wt.detach(), None)), None
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+        loss = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=0.0, temperature=TEMP)
+        labels = {}
+
+        def run(hs, ws, ht, wt):
+            y = labels.setdefault(hs.shape[0], torch.zeros(hs.shape[0], dtype=torch.long, device=hs.device))
+            return loss(hs, ws, ht.detach(), wt.detach(), y)
+        return run, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{name} not importable: {e!r}"
+
+
+def cublas(hs, ws, ht, wt):
+    s = hs @ ws.t()
+    with torch.no_grad():
+        t = ht @ wt.t()
+    return s @ ws, s.t() @ hs, t
+
+
+def measure(name, fn, hs, ws, ht, wt, device, quick):
+    if name == "cublas":
+        def run():
+            return cublas(hs, ws, ht, wt)
+    else:
+        hr, wr = hs.detach().requires_grad_(), ws.detach().requires_grad_()
+
+        def run():
+            loss = fn(hr, wr, ht, wt)
+            return loss, *torch.autograd.grad(loss, (hr, wr))
+    run()  # warm-up (compiles)
+    if device == "cuda":
+        ms = bk.bench_ms(run, quick, True)
+        out, peak = bk.extra_peak_mib(run)
+        grads = (hs.numel() + ws.numel()) * hs.element_size() / 2**20
+        return ms, peak - grads, out
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3, None, out
+
+
+def reference(hs, ws, ht, wt, rows):
+    """The spelling in fp32 (TF32 off) on the first ``rows`` rows, as bf16 inputs are."""
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        h, w = hs[:rows].float().requires_grad_(), ws.float().requires_grad_()
+        loss = spelling(h, w, ht[:rows].float(), wt.float())
+        return loss.detach(), *torch.autograd.grad(loss, (h, w))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def rel(x, ref):
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8192x4096x8192x128256", help="N x D_student x D_teacher x V")
+    ap.add_argument("--methods", default=",".join(METHODS), help="also ours@<MiB>: ours with that chunk working set")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = args.device
+    n, ds, dt, v = map(int, (args.shape if device == "cuda" else "96x32x48x1031").split("x"))
+    g = torch.Generator(device).manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    hs = torch.randn(n, ds, generator=g, device=device).to(dtype)
+    ws = (torch.randn(v, ds, generator=g, device=device) / ds**0.5).to(dtype)
+    ht = torch.randn(n, dt, generator=g, device=device).to(dtype)
+    wt = (torch.randn(v, dt, generator=g, device=device) / dt**0.5).to(dtype)
+    rows = min(n, 1024)
+    ref = reference(hs, ws, ht, wt, rows)
+    fns = {"compile": torch.compile(spelling), "ours": ours,
+           "ours_compiled": torch.compile(spelling, backend="inductor_xent")}
+    results = []
+    for name in args.methods.split(","):
+        fn = fns.get(name)
+        note = None
+        if name.startswith("ours@"):  # ours with another chunk working set (MiB): the chunk-size sweep
+            from inductor_xent import distill
+            distill.CUDA_CHUNK_BYTES = int(name.split("@")[1]) * 2**20
+            fn = ours
+        if name.startswith("liger"):
+            fn, note = liger_fn(name)
+            if fn is None:
+                results.append(dict(method=name, error=note))
+                print(f"| {name} | - | - | {note} |")
+                continue
+        try:
+            ms, mib, out = measure(name, fn, hs, ws, ht, wt, device, args.quick)
+        except Exception as e:  # noqa: BLE001
+            results.append(dict(method=name, error=repr(e)[:300]))
+            print(f"| {name} | error | {e!r} |"[:300])
+            continue
+        errs = {}
+        if name != "cublas" and not name.startswith("liger"):
+            sub = reference_like(fn, hs, ws, ht, wt, rows)
+            errs = dict(loss=rel(sub[0], ref[0]), grad_hidden=rel(sub[1], ref[1]), grad_weight=rel(sub[2], ref[2]))
+        results.append(dict(method=name, ms=ms, extra_mib=mib, errors=errs))
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = next((r for r in results if r["method"] == "compile" and "ms" in r), None)
+    gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"distill fwd+bwd {n}x{ds} (teacher {dt}) x {v}, {dtype}, T={TEMP}, {gpu}")
+    print("| method | ms | / compile | extra MiB | loss err | dH err | dW err |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "ms" not in r:
+            print(f"| {r['method']} | - | - | - | {r['error'][:80]} | | |")
+            continue
+        ratio = f"{r['ms'] / base['ms']:.3f}" if base else "-"
+        e = r["errors"]
+        mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
+        print(f"| {r['method']} | {r['ms']:.2f} | {ratio} | {mib} | {e.get('loss', 0):.2e} | "
+              f"{e.get('grad_hidden', 0):.2e} | {e.get('grad_weight', 0):.2e} |")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        meta = dict(shape=[n, ds, dt, v], dtype=str(dtype), temperature=TEMP, torch=torch.__version__,
+                    device=torch.cuda.get_device_name() if device == "cuda" else "cpu", date=time.strftime("%F"))
+        Path(args.out, "bench_distill.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+
+
+def reference_like(fn, hs, ws, ht, wt, rows):
+    """The method on the first ``rows`` rows (the errors' sample)."""
+    h, w = hs[:rows].detach().requires_grad_(), ws.detach().requires_grad_()
+    loss = fn(h, w, ht[:rows], wt)
+    return loss.detach().float(), *(x.float() for x in torch.autograd.grad(loss, (h, w)))
+
+
+if __name__ == "__main__":
+    main()
