@@ -11,7 +11,7 @@ from torch import Tensor
 
 from . import config, ops
 from . import strategy as strategies
-from .options import FLOAT_DTYPES, REDUCTIONS, fold_temperature
+from .options import FLOAT_DTYPES, REDUCTIONS, fold_temperature, reduced
 
 
 def linear_cross_entropy(
@@ -84,9 +84,7 @@ def linear_cross_entropy(
     rows = ops.FORWARD(hidden2d, weight, bias, target1d, *options)[0]
     if reduction == "none":
         return rows.view(target.shape)
-    if reduction == "sum":
-        return rows.sum()
-    return rows.sum() / (target1d != ignore_index).sum()  # the count stays on the device
+    return reduced(rows.sum(), target1d != ignore_index, reduction)
 
 
 class LogProbs(NamedTuple):

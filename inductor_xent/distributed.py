@@ -48,7 +48,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from . import fallback, ops
-from .options import compute_dtype
+from .options import compute_dtype, reduced, reduction_weights
 
 _FWD, _BWD = ops.FORWARD, ops.BACKWARD
 
@@ -118,6 +118,13 @@ def _check(*args) -> Layout:
         return layout(*args)
     except LayoutError as e:
         raise ValueError(f"inductor_xent: vocabulary-parallel cross-entropy: {e.reason}") from None
+
+
+def _enter(hidden, weight, bias, target, label_smoothing, softcap) -> tuple:
+    """Every rule's prologue: the layout (``ValueError`` when it is not one we run), then this rank's
+    local tensors (x, w, b, t) of hidden, weight, bias and target."""
+    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    return lay, _local(hidden), _local(weight), _local(bias), _local(target)
 
 
 def _no_logits(write_logits: bool) -> None:
@@ -198,11 +205,9 @@ def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_s
             write_logits=False):
     """``ops.FORWARD`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors, and an
     empty logits output (the pass never asks a vocabulary-parallel op for the logits)."""
-    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    lay, x, w, b, t = _enter(hidden, weight, bias, target, label_smoothing, softcap)
     _no_logits(write_logits)
-    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
-    if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
-        fallback.check_targets(t, lay.vocab, ignore_index)
+    fallback.check_targets(t, lay.vocab, ignore_index)  # real CPU targets only
     out = _forward(lay, x, w, b, t, ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     return (*(_replicate(o, hidden) for o in out), _replicate(x.new_empty((0,)), hidden))
 
@@ -253,8 +258,7 @@ def _grads(lay: Layout, hidden, weight, bias, grads, needs):
 def backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, ignore_index, label_smoothing,
              logit_scale, softcap, z_loss, needs_hidden, needs_weight, needs_bias):
     """``ops.BACKWARD`` on DTensors (see ``_grads`` for the placements)."""
-    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
-    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
+    lay, x, w, b, t = _enter(hidden, weight, bias, target, label_smoothing, softcap)
     needs = (needs_hidden, needs_weight, needs_bias and b is not None)
     grads = _backward(lay, _local(grad_loss), _local(grad_lse), x, w, b, t, _local(lse), _local(lse_lo),
                       ignore_index, label_smoothing, logit_scale, softcap, z_loss, needs)
@@ -266,19 +270,13 @@ def store(hidden, weight, bias, target, ignore_index, label_smoothing, logit_sca
     """``ops.STORE`` on DTensors: the reduced loss (a Replicate DTensor) and its gradients,
     from the recompute forward and backward above (8·N·D·V/tp per rank, not the single-rank store's
     6·N·D·V: there is no vocabulary-parallel store kernel; the pass always picks recompute here)."""
-    lay = _check(hidden, weight, bias, target, label_smoothing, softcap)
+    lay, x, w, b, t = _enter(hidden, weight, bias, target, label_smoothing, softcap)
     _no_logits(write_logits)
-    x, w, b, t = _local(hidden), _local(weight), _local(bias), _local(target)
-    if t.device.type == "cpu" and not torch._subclasses.fake_tensor.is_fake(t):
-        fallback.check_targets(t, lay.vocab, ignore_index)
+    fallback.check_targets(t, lay.vocab, ignore_index)  # real CPU targets only
     opts = (ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     rows, lse, lse_lo = _forward(lay, x, w, b, t, *opts)
     valid = t != ignore_index
-    if reduction == "mean":
-        count = valid.sum().to(rows.dtype)
-        loss, g = rows.sum() / count, torch.where(valid, 1.0 / count, 0.0)
-    else:
-        loss, g = rows.sum(), valid.to(rows.dtype)
+    loss, g = reduced(rows.sum(), valid, reduction), reduction_weights(valid, reduction, rows.dtype)
     needs = (needs_hidden, needs_weight, needs_bias and b is not None)
     grads = _backward(lay, g, torch.zeros_like(lse), x, w, b, t, lse, lse_lo, *opts, needs)
     return (_replicate(loss, hidden), *_grads(lay, hidden, weight, bias, grads, needs),

@@ -44,9 +44,10 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import config
-from .options import LossOptions, compute_dtype
+from .options import LossOptions, compute_dtype, reduced, reduction_weights
 
 
 def chunk_rows(num_rows: int, vocab: int, dtype: torch.dtype) -> int:
@@ -135,6 +136,39 @@ def _dlogits_(z: Tensor, x: Optional[Tensor], lse: Tensor, lse_lo: Tensor, t: Te
     return d
 
 
+Grads = tuple[Tensor, Tensor, Tensor]  # (grad_hidden, grad_weight, grad_bias)
+
+
+def _grad_buffers(hidden: Tensor, weight: Tensor, cd: torch.dtype, needs: tuple[bool, bool, bool]) -> Grads:
+    """(grad_hidden in hidden's dtype, written one row chunk at a time; the grad_weight and grad_bias
+    accumulators in the compute dtype, rounded once by ``_rounded``); an empty (0,) for each one not
+    in ``needs``."""
+    need_h, need_w, need_b = needs
+    return (torch.empty((hidden.shape[0], hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype,
+                        device=hidden.device),
+            torch.zeros(weight.shape if need_w else (0,), dtype=cd, device=weight.device),
+            torch.zeros((weight.shape[0],) if need_b else (0,), dtype=cd, device=weight.device))
+
+
+def _accumulate_(grads: Grads, needs: tuple[bool, bool, bool], rows: slice, d: Tensor, h: Tensor, w: Tensor) -> None:
+    """One row chunk's share of the gradients, from its dlogits ``d`` (rows, V) and its hidden states
+    ``h`` (rows, D), both in the compute dtype like ``w``: dH = d·W, dW += dᵀ·h, db += Σ_rows d."""
+    grad_h, grad_w, grad_b = grads
+    need_h, need_w, need_b = needs
+    if need_h:
+        grad_h[rows] = torch.mm(d, w)
+    if need_w:
+        grad_w.addmm_(d.t(), h)
+    if need_b:
+        grad_b += d.sum(dim=0)
+
+
+def _rounded(grads: Grads, weight: Tensor, bias: Optional[Tensor]) -> Grads:
+    """The gradients in the dtypes of hidden, weight and bias (the accumulators rounded once)."""
+    grad_h, grad_w, grad_b = grads
+    return grad_h, grad_w.to(weight.dtype), grad_b.to(weight.dtype if bias is None else bias.dtype)
+
+
 def forward(
     hidden: Tensor,  # (N, D)
     weight: Tensor,  # (V, D)
@@ -212,10 +246,7 @@ def backward(
     """Gradients for (hidden, weight, bias); an empty tensor stands for each one not in ``needs``."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
-    need_h, need_w, need_b = needs
-    grad_h = torch.empty((n, hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
-    grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=cd, device=weight.device)
-    grad_b = torch.zeros((vocab,) if need_b else (0,), dtype=cd, device=weight.device)
+    grads = _grad_buffers(hidden, weight, cd, needs)
     valid = target != opts.ignore_index
     g = torch.where(valid, grad_loss.to(cd), 0.0)
     c = 2 * opts.z_loss * lse.to(cd) * g + grad_lse.to(cd)
@@ -228,13 +259,8 @@ def backward(
         z, x = _chunk_logits(h, w, b, opts)
         d = _dlogits_(z, x, lse[rows].to(cd), lse_lo[rows].to(cd), target[rows], valid[rows], g[rows], c[rows],
                       opts, None if ent_g is None else ent_g[rows], None if ent is None else ent[rows])
-        if need_h:
-            grad_h[rows] = torch.mm(d, w)
-        if need_w:
-            grad_w.addmm_(d.t(), h)
-        if need_b:
-            grad_b += d.sum(dim=0)
-    return grad_h, grad_w.to(weight.dtype), grad_b.to(weight.dtype if bias is None else bias.dtype)
+        _accumulate_(grads, needs, rows, d, h, w)
+    return _rounded(grads, weight, bias)
 
 
 def store(
@@ -253,14 +279,9 @@ def store(
     compute dtype (float32 or float64) and are rounded once."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
-    need_h, need_w, need_b = needs
-    grad_h = torch.empty((n, hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
-    grad_w = torch.zeros(weight.shape if need_w else (0,), dtype=cd, device=weight.device)
-    grad_b = torch.zeros((vocab,) if need_b else (0,), dtype=cd, device=weight.device)
+    grads = _grad_buffers(hidden, weight, cd, needs)
     valid = target != opts.ignore_index
-    count = valid.sum()
-    scale = (1.0 / count.to(cd)) if reduction == "mean" else torch.ones((), dtype=cd, device=hidden.device)
-    g = torch.where(valid, scale, 0.0)  # d(reduced loss) / d(row loss); 0 on ignored rows
+    g = reduction_weights(valid, reduction, cd)  # d(reduced loss) / d(row loss); 0 on ignored rows
     total = torch.zeros((), dtype=cd, device=hidden.device)
     step = chunk_rows(n, vocab, cd)
     for start in range(0, n, step):
@@ -274,20 +295,17 @@ def store(
             continue
         c = 2 * opts.z_loss * lse * g[rows]
         d = _dlogits_(z, x, lse, lse_lo, t, ok, g[rows], c, opts)
-        if need_h:
-            grad_h[rows] = torch.mm(d, w)
-        if need_w:
-            grad_w.addmm_(d.t(), h)
-        if need_b:
-            grad_b += d.sum(dim=0)
-    loss = total / count.to(cd) if reduction == "mean" else total
-    return loss, grad_h, grad_w.to(weight.dtype), grad_b.to(weight.dtype if bias is None else bias.dtype)
+        _accumulate_(grads, needs, rows, d, h, w)
+    return (reduced(total, valid, reduction), *_rounded(grads, weight, bias))
 
 
 def check_targets(target: Tensor, vocab: int, ignore_index: int) -> None:
     """Raise ``ValueError`` for a target outside ``[0, vocab)`` that is not ``ignore_index``.
 
-    Reads the values, so it is only called on CPU tensors (on CUDA it would be a host sync)."""
+    Reads the values, so it checks real CPU tensors only: on CUDA that would be a host sync, and a
+    fake tensor (tracing) has no values; every other target passes unchecked."""
+    if target.device.type != "cpu" or is_fake(target):
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if bool(bad.any()):
         values = torch.unique(target[bad])[:8].tolist()

@@ -102,6 +102,13 @@ def _kernels(hidden: Tensor):
     return launch
 
 
+def _implementation(hidden: Tensor):
+    """What runs an op on these inputs: the Triton launchers (``templates/launch.py``) or the chunked
+    path (``fallback.py``), which take the same arguments for forward, backward and
+    log_probs_forward."""
+    return _kernels(hidden) if use_triton(hidden) else fallback
+
+
 def _without_autocast(impl):
     """``impl`` run with autocast off for its inputs' device. Inductor calls the op's implementation
     while the caller's ``torch.autocast`` is still active (it is ambient around the compiled call),
@@ -141,13 +148,10 @@ def linear_ce_fwd(
     write_logits: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
-    if target.device.type == "cpu":
-        fallback.check_targets(target, weight.shape[0], ignore_index)
+    fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
     logits = _logits_output(hidden, weight, write_logits)
     out = logits if write_logits else None
-    if use_triton(hidden):
-        return (*_kernels(hidden).forward(hidden, weight, bias, target, opts, logits=out), logits)
-    return (*fallback.forward(hidden, weight, bias, target, opts, logits=out), logits)
+    return (*_implementation(hidden).forward(hidden, weight, bias, target, opts, logits=out), logits)
 
 
 @linear_ce_fwd.register_fake
@@ -189,9 +193,8 @@ def linear_ce_bwd(
 ) -> tuple[Tensor, Tensor, Tensor]:
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
-    if use_triton(hidden):
-        return _kernels(hidden).backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
-    return fallback.backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
+    return _implementation(hidden).backward(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts,
+                                            needs)
 
 
 def _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias):
@@ -273,8 +276,7 @@ def linear_ce_store(
         n, (v, d) = hidden.shape[0], weight.shape
         chunk_rows = strategy.chunk_rows(n, v, d, hidden.dtype, weight.dtype, needs_weight, budget) or min(
             max(n, 1), strategy.MIN_CHUNK_ROWS)
-    if target.device.type == "cpu":
-        fallback.check_targets(target, weight.shape[0], ignore_index)
+    fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
     logits = _logits_output(hidden, weight, write_logits)
     out = logits if write_logits else None
@@ -409,11 +411,8 @@ def linear_logprob_fwd(
     need_argmax: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _lp_opts(ignore_index, logit_scale, softcap)
-    if target.device.type == "cpu":
-        fallback.check_targets(target, weight.shape[0], ignore_index)
-    if use_triton(hidden):
-        return _kernels(hidden).log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax)
-    return fallback.log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax)
+    fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
+    return _implementation(hidden).log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax)
 
 
 @linear_logprob_fwd.register_fake
@@ -457,9 +456,7 @@ def linear_logprob_bwd(
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
     # log_prob = −loss (no smoothing, no z-loss): the loss's backward with the gradient negated
     args = (-grad_log_probs, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
-    if use_triton(hidden):
-        return _kernels(hidden).backward(*args, grad_entropy=grad_entropy, entropy=entropy)
-    return fallback.backward(*args, grad_entropy=grad_entropy, entropy=entropy)
+    return _implementation(hidden).backward(*args, grad_entropy=grad_entropy, entropy=entropy)
 
 
 @linear_logprob_bwd.register_fake

@@ -1,15 +1,32 @@
-"""The loss's scalar options and the dtypes it takes, shared by every implementation."""
+"""The loss's scalar options, the dtypes it takes and how its per-row values reduce, shared by every
+implementation."""
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
 import torch
+from torch import Tensor
 
 # what the op accepts, and what the Triton kernels take (float64 always runs the chunked path)
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 REDUCTIONS = ("mean", "sum", "none")
+
+
+def reduced(total: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    """The ``mean`` or ``sum`` loss from ``total``, the sum of the per-row losses (ignored rows add 0;
+    ``valid`` marks the others): ``mean`` divides it by the number of non-ignored rows (NaN when there
+    are none, like PyTorch; the count stays on the device: no host sync), ``sum`` is ``total``."""
+    return total / valid.sum() if reduction == "mean" else total
+
+
+def reduction_weights(valid: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+    """d(``reduced`` loss) / d(row loss) of every row, in ``dtype``: 0 on ignored rows, on the others
+    1 / (the number of non-ignored rows) for ``mean`` and 1 for ``sum``."""
+    if reduction == "mean":
+        return torch.where(valid, 1.0 / valid.sum().to(dtype), 0.0)
+    return valid.to(dtype)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

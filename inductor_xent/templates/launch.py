@@ -17,7 +17,7 @@ import triton
 from torch import Tensor
 
 from .. import config
-from ..options import KERNEL_DTYPES, LossOptions
+from ..options import KERNEL_DTYPES, LossOptions, reduced, reduction_weights
 from . import configs
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
@@ -395,13 +395,11 @@ def store(
     grad_b = torch.zeros((v,) if need_b else (0,), dtype=torch.float32, device=dev)
     target = target.contiguous()
     valid = target != opts.ignore_index
-    count = valid.sum()
-    scale = 1.0 / count.float() if reduction == "mean" else torch.ones((), device=dev)
-    g = torch.where(valid, scale, 0.0)  # d(reduced loss) / d(row loss)
+    g = reduction_weights(valid, reduction, torch.float32)  # d(reduced loss) / d(row loss)
     rows_loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
     if n == 0:
         grad_w.zero_()
-        return rows_loss.sum() / count if reduction == "mean" else rows_loss.sum(), grad_h, grad_w, grad_b.to(b_dtype)
+        return reduced(rows_loss.sum(), valid, reduction), grad_h, grad_w, grad_b.to(b_dtype)
 
     cfg = cfg or configs.store_config(hidden.dtype)
     chunk = min(n, chunk_rows or n)
@@ -455,6 +453,4 @@ def store(
             grad_b += dbias[: triton.cdiv(m, dz_cfg.block_m)].sum(dim=0)
     if fp32_acc:
         grad_w.copy_(acc_w)
-    total = rows_loss.sum()
-    loss = total / count if reduction == "mean" else total
-    return loss, grad_h, grad_w, grad_b.to(b_dtype)
+    return reduced(rows_loss.sum(), valid, reduction), grad_h, grad_w, grad_b.to(b_dtype)
