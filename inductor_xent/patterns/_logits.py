@@ -44,7 +44,7 @@ from .. import compat
 from . import _steps
 from ._fx import Emitter, arg, is_call, norm_dim, tval
 from ._site import Decline
-from ._steps import Permute, RowOp, RowScale, Slice, Step, step_of
+from ._steps import Permute, RowOp, RowScale, Slice, StackedSlice, Step, step_of
 
 LINEAR = (torch._C._nn.linear,)
 MATMUL = (operator.matmul, torch.matmul, torch.mm, "matmul", "mm", "__matmul__")
@@ -121,7 +121,7 @@ class LogitsChain:
 
     @property
     def sliced(self) -> bool:
-        return any(isinstance(op, Slice) for _, op in self.shape_ops)
+        return any(isinstance(op, Slice) and not isinstance(op, StackedSlice) for _, op in self.shape_ops)
 
     @property
     def vd(self) -> tuple:

@@ -16,6 +16,7 @@ gradients flow back through the casts to the fp32 parameters.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -28,7 +29,7 @@ from . import _dtensor, _logits, _mutation
 from ._fx import arg, hint, is_call, numel_hint, same, tval
 from ._logits import LogitsChain
 from ._site import NO_IGNORE, Decline, Head, ids_base, lse_of
-from ._steps import SPLITS, Permute, Slice, Step, step_of
+from ._steps import SPLITS, Permute, Slice, Step, stacked, step_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"
@@ -133,9 +134,15 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     owned = {**read, **dict.fromkeys(n for h, _ in heads for n in (h.loss, *h.aux))}
     lse_users = _logsumexps(heads, chain, read, owned)
     theirs = {n for _, c in siblings for n in c.nodes}
-    # z.split(k) whose chunks are all read by these heads or their siblings: no other user
+    # z.split(k) whose chunks are all read by these heads or their siblings, torch.stack of heads whose
+    # items of these logits only these heads read: no other user (erased once dead)
     owned.update(dict.fromkeys(u for n in read for u in n.users if is_call(u, SPLITS)
                                and all(g in read or g in theirs for g in u.users)))
+    stacks = [(m, u) for m in read for u in m.users if is_call(u, (torch.stack,))]
+    for m, u in stacks:
+        between = _stack_reads(u, m, read)
+        if between:  # the other heads' matmuls too: dead once the last head's rewrite erases the stack
+            owned.update(dict.fromkeys([*between, *(t for t in arg(u, 0, "tensors") if isinstance(t, Node))]))
     escapes = list(dict.fromkeys(u for n in read for u in n.users
                                  if u not in owned and u not in lse_users and u not in theirs))
     if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
@@ -199,6 +206,35 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
                            "views and scales"
             returned.append(r)
     return returned, None
+
+
+def _stack_reads(stack: Node, n: Node, read: dict) -> Optional[list]:
+    """The nodes from ``stack`` (a ``torch.stack`` with ``n`` among its tensors) to the heads that take
+    one tensor of it (``_steps.stacked``), when every use of it is such a take or a slice keeping the
+    stacked dimension, and the takes of ``n`` are among ``read`` (the others read other heads'
+    logits); else None."""
+    between, frontier = [stack], [stack]
+    while frontier:
+        cur = frontier.pop()
+        for g in cur.users:
+            if not is_call(g, (operator.getitem,)):
+                return None
+            picked = stacked(g.args[0], g.args[1])
+            if picked is not None:
+                if picked[0] is n and g not in read:
+                    return None
+                continue
+            if stacked(g, _whole(stack)) is None:  # not a slice that keeps every stacked tensor
+                return None
+            between.append(g)
+            frontier.append(g)
+    return between
+
+
+def _whole(stack: Node) -> tuple:
+    """An index taking tensor 0 of ``stack`` whole: probes that slices keep the stacked dimension."""
+    dim = arg(stack, 1, "dim", 0)
+    return (*(slice(None),) * dim, 0) if isinstance(dim, int) else (0,)
 
 
 def _tail(n: Node, u: Node) -> Optional[list[Step]]:

@@ -15,6 +15,7 @@ from ._fx import hint, tval
 from ._logits import LogitsChain
 from ._plan import SitePlan
 from ._site import NO_IGNORE, Decline, HeadKind
+from ._steps import StackedSlice
 
 ESCAPE_HINT = (
     "the logits are also a graph output (the compiled function returns them), so they must be "
@@ -91,6 +92,7 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         any(c.detached for _, c in plan.heads) and "logits.detach() heads without gradient",
         chain.weight_scale is not None and "tensor scale folded into the weight",
         chain.sliced and "slice pushed onto the hidden states",
+        _stacked(chain) and "one of several stacked heads (torch.stack(heads)[:, k])",
         plan.siblings and "one op per row slice of the logits (the other slices are sites of their own)",
         not chain.weight_is_vd and "[D, V] weight",
         unlooped(plan) and f"a Python loop over {unlooped(plan)} folded into one op",
@@ -105,6 +107,10 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
                       bytes_avoided=bytes_avoided, logits_escape=plan.escapes_to_output,
                       logits_returned=bool(plan.returned), strategy=how.strategy, strategy_reason=how.describe(),
                       extra_bytes=how.extra_bytes if how.strategy == "store" else None)
+
+
+def _stacked(chain: LogitsChain) -> bool:
+    return any(isinstance(s, StackedSlice) for s in chain.steps)
 
 
 def unlooped(plan: SitePlan) -> Optional[str]:

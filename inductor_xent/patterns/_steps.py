@@ -132,6 +132,18 @@ class Slice(RowOp):
 
 
 @dataclass(frozen=True)
+class StackedSlice(Slice):
+    """One head of ``torch.stack(heads, dim)`` and the slices after it (``_steps.stacked``): ``index``
+    holds them, each without ``dim``, applied in order."""
+
+    def replay(self, emit, tensor: Node, last: Any) -> Node:
+        for idx in self.index:
+            if any(i != slice(None) for i in idx):
+                tensor = emit.getitem(tensor, idx)
+        return tensor
+
+
+@dataclass(frozen=True)
 class RowScale(RowOp):
     """A tensor of one factor per row (``logits / T.unsqueeze(-1)``): ``(h * r) @ W.T == (h @ W.T) * r``."""
 
@@ -330,8 +342,41 @@ def _slice(node: Node, out: torch.Tensor) -> Optional[Step]:
     src, index = node.args
     if is_call(src, SPLITS) and isinstance(index, int):  # a chunk of ``z.split(k)``: z[i*k:(i+1)*k]
         return _chunk(node, src, index)
+    picked = stacked(src, index)  # one head of stacked heads: torch.stack([h(x) for h in heads], 1)[:, k]
+    if picked is not None:
+        element, indices = picked
+        return None if tval(element) is None else StackedSlice(node, element, tuple(indices))
     ins = tval(src)
     return Slice(node, src, index) if ins is not None and _leading_slice(index, ins.dim()) else None
+
+
+def stacked(src: Node, index: Any) -> Optional[tuple[Node, list]]:
+    """``src[index]`` as one of stacked heads: ``torch.stack(tensors, dim)``, then slices that keep
+    ``dim`` whole, then ``index`` taking tensor ``k`` at ``dim`` (MusicGen's
+    ``torch.stack(heads, 1)[:, :, -T:][:, k]``). (tensors[k], the slices to apply to it, in order:
+    each index with ``dim`` left out), or None."""
+    slices, cur = [], src
+    while is_call(cur, (operator.getitem,)) and not is_call(cur, (torch.stack,)):
+        slices.append(cur.args[1])
+        cur = cur.args[0]
+    if not is_call(cur, (torch.stack,)):
+        return None
+    tensors, dim = arg(cur, 0, "tensors"), arg(cur, 1, "dim", 0)
+    if not isinstance(tensors, (list, tuple)) or not isinstance(dim, int) or dim < 0:
+        return None
+    items = index if isinstance(index, tuple) else (index,)
+    if len(items) <= dim or not all(isinstance(i, slice) for n, i in enumerate(items) if n != dim):
+        return None
+    k = items[dim]
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < len(tensors) or not isinstance(tensors[k], Node):
+        return None
+    out = []
+    for idx in reversed(slices):  # the innermost first
+        idx = idx if isinstance(idx, tuple) else (idx,)
+        if not all(isinstance(i, slice) for i in idx) or (len(idx) > dim and idx[dim] != slice(None)):
+            return None
+        out.append(idx[:dim] + idx[dim + 1:])
+    return tensors[k], [*out, items[:dim] + items[dim + 1:]]
 
 
 def _chunk(node: Node, split: Node, i: int) -> Optional[Step]:
