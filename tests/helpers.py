@@ -14,6 +14,7 @@ import operator
 import torch
 import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend, normalize_gm
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from inductor_xent import config, ops
 from inductor_xent.backend import inductor_xent as xent_backend
@@ -103,6 +104,31 @@ def make_inputs(dtype=torch.float32, seed=0, batch=B):
     return dict(x=x, W=W, Wdv=Wdv, b=b, y=y, yv=yv, n=(y != -100).sum())
 
 
+def case_inputs(c: dict):
+    """(hidden, weight, bias or None, target) of a hypothesis case (``cases()`` of test_fallback.py
+    and test_log_probs.py: sizes, dtype, bias, ignored rows, strides, 3-D), floats requiring grad."""
+    g = torch.Generator().manual_seed(c["seed"])
+    n, d, v, dt = c["n"], c["d"], c["v"], c["dtype"]
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * (3 / d**0.5)  # logits with std ~ 3
+    b = torch.randn(v, generator=g) if c["bias"] else None
+    y = torch.randint(0, v, (n,), generator=g)
+    if c["ignore"] == "some":
+        y[::3] = c["ignore_index"]
+    elif c["ignore"] == "all":
+        y[:] = c["ignore_index"]
+    elif c["ignore"] == "block":
+        y[: n // 2] = c["ignore_index"]
+    if c["non_contiguous"]:  # every other row of a wider buffer, weight as a transposed [D, V] buffer
+        h = torch.randn(n, 2, d, generator=g)[:, 0, :].copy_(h)
+        w = w.t().contiguous().t()
+    if c["three_d"]:
+        h, y = h.reshape(2, n // 2, d), y.reshape(2, n // 2)
+    h, w = h.to(dt).requires_grad_(), w.to(dt).requires_grad_()
+    b = None if b is None else b.to(dt).requires_grad_()
+    return h, w, b, y
+
+
 def leaves(inputs, requires_grad=True):
     out = {}
     for k, v in inputs.items():
@@ -114,7 +140,8 @@ def leaves(inputs, requires_grad=True):
 
 
 # ---------------------------------------------------------------------------------------------
-# spellings that must fuse: name -> (fn(x, W, Wdv, b, y, yv, n), pattern)
+# spellings that must fuse: name -> (fn, pattern). Every fn is called with all of make_inputs() as
+# keywords and names only the inputs it reads (the graph's inputs); the others go to ``**_``.
 # ---------------------------------------------------------------------------------------------
 def _hf_loss(logits, labels, n):
     """transformers' ForCausalLMLoss with num_items_in_batch: pad-shifted labels, sum / n."""
@@ -126,65 +153,121 @@ def _hf_loss(logits, labels, n):
     return loss / n
 
 
+def _linear_view_mean(x, W, y, **_):
+    """F.linear without bias, view to rows: nanoGPT / HF."""
+    return F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1))
+
+
+def _nanogpt_ignore_minus_one(x, W, y, **_):
+    """nanoGPT: logits.view(-1, logits.size(-1)), ignore_index=-1."""
+    return _nanogpt(x, W, torch.where(y < 0, -1, y))
+
+
+def _linear_bias_float_sum(x, W, b, y, **_):
+    """F.linear with bias, upcast, reduction sum."""
+    return F.cross_entropy(F.linear(x, W, b).float().view(-1, V), y.view(-1), reduction="sum")
+
+
+def _matmul_T_scale(x, W, y, **_):
+    """@ with .T and a constant scale (muP-style output multiplier), reshape."""
+    return F.cross_entropy(((x @ W.T) * 0.5).reshape(-1, V), y.reshape(-1))
+
+
+def _mm_t_div_to(x, W, y, **_):
+    """torch.mm of flattened hidden with .t(), division by a constant, .to(dtype)."""
+    return F.cross_entropy((torch.mm(x.view(-1, D), W.t()) / 3.0).to(torch.float32), y.flatten())
+
+
+def _weight_dv(x, Wdv, y, **_):
+    """Weight stored [D, V]: torch.matmul(x, Wdv)."""
+    return F.cross_entropy(torch.matmul(x, Wdv).flatten(0, 1), y.flatten())
+
+
+def _einsum(x, W, y, **_):
+    """einsum, weight [V, D]."""
+    return F.cross_entropy(torch.einsum("btd,vd->btv", x, W).view(-1, V), y.view(-1))
+
+
+def _softcap(x, W, y, **_):
+    """Gemma 2 final_logit_softcapping: div -> tanh -> mul, then .float()."""
+    return F.cross_entropy((torch.tanh(F.linear(x, W) / 2.0) * 2.0).float().view(-1, V), y.view(-1))
+
+
+def _bias_add(x, W, b, y, **_):
+    """A separate bias add after the matmul."""
+    return F.cross_entropy((x @ W.t() + b).view(-1, V), y.view(-1))
+
+
+def _slice_seq(x, W, y, **_):
+    """Slicing the logits along the sequence (pushed onto the hidden states)."""
+    return F.cross_entropy(F.linear(x, W)[:, :-1, :].contiguous().view(-1, V), y[:, 1:].reshape(-1))
+
+
+def _transpose(x, W, b, y, **_):
+    """Class dim moved to 1."""
+    return F.cross_entropy(F.linear(x, W, b).transpose(1, 2), y)
+
+
+def _none_masked(x, W, y, **_):
+    """reduction="none", then the user's own masking and mean."""
+    return (F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), reduction="none")
+            * (y.view(-1) != -100)).sum() / (y != -100).sum()
+
+
+def _ignore_smoothing(x, W, y, **_):
+    """ignore_index and label smoothing."""
+    return F.cross_entropy(F.linear(x, W).view(-1, V), torch.where(y < 0, -1, y).view(-1), ignore_index=-1,
+                           label_smoothing=0.2)
+
+
+def _hf_causal_lm(x, W, y, n, **_):
+    """transformers ForCausalLMLoss with num_items_in_batch."""
+    return _hf_loss(F.linear(x, W), y, n)
+
+
+def _nll_log_softmax(x, W, y, **_):
+    """nll_loss of log_softmax."""
+    return F.nll_loss(F.log_softmax(F.linear(x, W).float(), dim=-1).view(-1, V), y.view(-1))
+
+
+def _nll_transposed(x, W, y, **_):
+    """nll_loss with the class dim at 1."""
+    return F.nll_loss(torch.log_softmax(F.linear(x, W), -1).transpose(1, 2), y, reduction="sum")
+
+
+def _logprob_gather(x, W, yv, **_):
+    """-log p(target) through gather."""
+    return -(F.linear(x, W).log_softmax(-1).gather(-1, yv.unsqueeze(-1)).squeeze(-1)).mean()
+
+
+def _one_hot(x, W, yv, **_):
+    """-(one_hot * log_softmax).sum(-1)."""
+    return -(F.one_hot(yv, V).float() * F.log_softmax(x @ W.t(), dim=-1)).sum(-1).mean()
+
+
 SPELLINGS = {
-    # F.linear without bias, view to rows: nanoGPT / HF
-    "linear_view_mean": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1)),
-                         "lm_head_cross_entropy"),
-    # nanoGPT: logits.view(-1, logits.size(-1)), ignore_index=-1
-    "nanogpt": (lambda x, W, Wdv, b, y, yv, n: _nanogpt(x, W, torch.where(y < 0, -1, y)), "lm_head_cross_entropy"),
-    # F.linear with bias, upcast, reduction sum
-    "linear_bias_float_sum": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W, b).float().view(-1, V), y.view(-1), reduction="sum"), "lm_head_cross_entropy"),
-    # @ with .T and a constant scale (muP-style output multiplier), reshape
-    "matmul_T_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        ((x @ W.T) * 0.5).reshape(-1, V), y.reshape(-1)), "lm_head_cross_entropy"),
-    # torch.mm of flattened hidden with .t(), division by a constant, .to(dtype)
-    "mm_t_div_to": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (torch.mm(x.view(-1, D), W.t()) / 3.0).to(torch.float32), y.flatten()), "lm_head_cross_entropy"),
-    # weight stored [D, V]: torch.matmul(x, Wdv)
-    "weight_dv": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        torch.matmul(x, Wdv).flatten(0, 1), y.flatten()), "lm_head_cross_entropy"),
-    # einsum, weight [V, D]
-    "einsum": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        torch.einsum("btd,vd->btv", x, W).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
-    # Gemma 2 final_logit_softcapping: div -> tanh -> mul, then .float()
-    "softcap": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (torch.tanh(F.linear(x, W) / 2.0) * 2.0).float().view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
-    # a separate bias add after the matmul
-    "bias_add": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (x @ W.t() + b).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
-    # slicing the logits along the sequence (pushed onto the hidden states)
-    "slice_seq": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W)[:, :-1, :].contiguous().view(-1, V), y[:, 1:].reshape(-1)), "lm_head_cross_entropy"),
-    # class dim moved to 1
-    "transpose": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(F.linear(x, W, b).transpose(1, 2), y),
-                  "lm_head_cross_entropy"),
-    # reduction="none", then the user's own masking and mean
-    "none_masked": (lambda x, W, Wdv, b, y, yv, n: (
-        F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), reduction="none")
-        * (y.view(-1) != -100)).sum() / (y != -100).sum(), "lm_head_cross_entropy"),
-    # ignore_index and label smoothing
-    "ignore_smoothing": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W).view(-1, V), torch.where(y < 0, -1, y).view(-1), ignore_index=-1, label_smoothing=0.2),
-        "lm_head_cross_entropy"),
-    # transformers ForCausalLMLoss with num_items_in_batch
-    "hf_causal_lm": (lambda x, W, Wdv, b, y, yv, n: _hf_loss(F.linear(x, W), y, n), "lm_head_cross_entropy"),
-    # nll_loss of log_softmax
-    "nll_log_softmax": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
-        F.log_softmax(F.linear(x, W).float(), dim=-1).view(-1, V), y.view(-1)), "log_softmax_nll"),
-    # nll_loss with the class dim at 1
-    "nll_transposed": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
-        torch.log_softmax(F.linear(x, W), -1).transpose(1, 2), y, reduction="sum"), "log_softmax_nll"),
-    # -log p(target) through gather
-    "logprob_gather": (lambda x, W, Wdv, b, y, yv, n: -(
-        F.linear(x, W).log_softmax(-1).gather(-1, yv.unsqueeze(-1)).squeeze(-1)).mean(), "log_softmax_nll"),
-    # -(one_hot * log_softmax).sum(-1)
-    "one_hot": (lambda x, W, Wdv, b, y, yv, n: -(
-        F.one_hot(yv, V).float() * F.log_softmax(x @ W.t(), dim=-1)).sum(-1).mean(), "one_hot"),
+    "linear_view_mean": (_linear_view_mean, "lm_head_cross_entropy"),
+    "nanogpt": (_nanogpt_ignore_minus_one, "lm_head_cross_entropy"),
+    "linear_bias_float_sum": (_linear_bias_float_sum, "lm_head_cross_entropy"),
+    "matmul_T_scale": (_matmul_T_scale, "lm_head_cross_entropy"),
+    "mm_t_div_to": (_mm_t_div_to, "lm_head_cross_entropy"),
+    "weight_dv": (_weight_dv, "lm_head_cross_entropy"),
+    "einsum": (_einsum, "lm_head_cross_entropy"),
+    "softcap": (_softcap, "lm_head_cross_entropy"),
+    "bias_add": (_bias_add, "lm_head_cross_entropy"),
+    "slice_seq": (_slice_seq, "lm_head_cross_entropy"),
+    "transpose": (_transpose, "lm_head_cross_entropy"),
+    "none_masked": (_none_masked, "lm_head_cross_entropy"),
+    "ignore_smoothing": (_ignore_smoothing, "lm_head_cross_entropy"),
+    "hf_causal_lm": (_hf_causal_lm, "lm_head_cross_entropy"),
+    "nll_log_softmax": (_nll_log_softmax, "log_softmax_nll"),
+    "nll_transposed": (_nll_transposed, "log_softmax_nll"),
+    "logprob_gather": (_logprob_gather, "log_softmax_nll"),
+    "one_hot": (_one_hot, "one_hot"),
 }
 
 
-def _z_loss(x, W, Wdv, b, y, yv, n):
+def _z_loss(x, W, y, **_):
     """cross-entropy plus a PaLM-style z-loss on a separately computed logsumexp."""
     logits = F.linear(x, W).float()
     ce = F.cross_entropy(logits.view(-1, V), y.view(-1))
@@ -197,20 +280,20 @@ def _nanogpt(x, W, targets):
     return F.cross_entropy(logits.view(B * T, logits.size(-1)), targets.view(-1), ignore_index=-1)
 
 
-def _lse_minus_gather(x, W, Wdv, b, y, yv, n):
+def _lse_minus_gather(x, W, yv, **_):
     """logsumexp - gather, torch.gather and [..., 0] spelling, in the matmul dtype."""
     z = x @ W.t()
     return (torch.logsumexp(z, dim=-1) - torch.gather(z, -1, yv[..., None])[..., 0]).mean()
 
 
-def _lse_gather_shared(x, W, Wdv, b, y, yv, n):
+def _lse_gather_shared(x, W, yv, **_):
     """logsumexp and gather of the same logits node, the lse reused for a z-loss."""
     z = F.linear(x, W).float()
     lse = torch.logsumexp(z, -1)
     return (lse - z.gather(-1, yv[..., None]).squeeze(-1)).mean() + 1e-2 * (lse**2).mean()
 
 
-def _lse_keepdim(x, W, Wdv, b, y, yv, n):
+def _lse_keepdim(x, W, b, yv, **_):
     """keepdim=True logsumexp minus the unsqueezed gather, squeezed at the end; z-loss on the
     matmul-dtype logits before an upcast."""
     z = F.linear(x, W, b)
@@ -219,7 +302,7 @@ def _lse_keepdim(x, W, Wdv, b, y, yv, n):
     return rows.sum() + 1e-2 * lse.square().sum()
 
 
-def _tied(x, W, Wdv, b, y, yv, n):
+def _tied(x, W, y, yv, **_):
     """GPT-2 / nanoGPT tied embeddings: the lm_head weight is the token embedding."""
     h = F.embedding(yv, W) + x
     return F.cross_entropy(F.linear(h, W).view(-1, V), y.view(-1))
@@ -234,7 +317,7 @@ SPELLINGS.update({
 })
 
 
-def _prophetnet(x, W, Wdv, b, y, yv, n):
+def _prophetnet(x, W, y, **_):
     """ProphetNet: the streams' logits [B, ngram, T, V] moved to [ngram, B, T, V] before the loss
     (here B and T play ngram and B); log_softmax with dtype=float32 then nll_loss."""
     z = F.linear(x, W).transpose(0, 1).contiguous()
@@ -242,72 +325,102 @@ def _prophetnet(x, W, Wdv, b, y, yv, n):
     return F.nll_loss(lp, y.transpose(0, 1).reshape(-1))
 
 
+def _softcap_functional_tanh(x, W, y, **_):
+    """RecurrentGemma: F.tanh (its own callable in the graph, not torch.tanh), cap on the right."""
+    return F.cross_entropy((F.tanh(F.linear(x, W) / 2.0) * 2.0).view(-1, V), y.view(-1))
+
+
+def _softcap_cap_first(x, W, y, **_):
+    """The cap first, the division written as a multiplication, the method spelling of tanh."""
+    return F.cross_entropy((2.0 * (F.linear(x, W) * 0.5).tanh()).view(-1, V), y.view(-1))
+
+
+def _vocab_scale(x, W, b, y, **_):
+    """Dory: a learned scale per vocabulary entry after the upcast (b stands for it; its gradient is
+    checked)."""
+    return F.cross_entropy((F.linear(x, W).float() * b).view(-1, V), y.view(-1))
+
+
+def _scalar_tensor_scale(x, Wdv, b, y, **_):
+    """A 0-dim tensor factor on the left, on a [D, V] weight, before a softcap."""
+    return F.cross_entropy((torch.tanh((b[0] * (x @ Wdv)) / 3.0) * 3.0).view(-1, V), y.view(-1))
+
+
+def _permute_leading(x, W, y, **_):
+    """A permutation of the leading dims, then the [B, T]-shaped targets permuted alike."""
+    return F.cross_entropy(F.linear(x, W).permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1))
+
+
 SPELLINGS.update({
-    # RecurrentGemma: F.tanh (its own callable in the graph, not torch.tanh), cap on the right
-    "softcap_functional_tanh": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (F.tanh(F.linear(x, W) / 2.0) * 2.0).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
-    # the cap first, the division written as a multiplication, the method spelling of tanh
-    "softcap_cap_first": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (2.0 * (F.linear(x, W) * 0.5).tanh()).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
-    # Dory: a learned scale per vocabulary entry after the upcast (b stands for it; its gradient is checked)
-    "vocab_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (F.linear(x, W).float() * b).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
-    # a 0-dim tensor factor on the left, on a [D, V] weight, before a softcap
-    "scalar_tensor_scale": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (torch.tanh((b[0] * (x @ Wdv)) / 3.0) * 3.0).view(-1, V), y.view(-1)), "lm_head_cross_entropy"),
+    "softcap_functional_tanh": (_softcap_functional_tanh, "lm_head_cross_entropy"),
+    "softcap_cap_first": (_softcap_cap_first, "lm_head_cross_entropy"),
+    "vocab_scale": (_vocab_scale, "lm_head_cross_entropy"),
+    "scalar_tensor_scale": (_scalar_tensor_scale, "lm_head_cross_entropy"),
     "prophetnet_transpose": (_prophetnet, "log_softmax_nll"),
-    # a permutation of the leading dims, then the [B, T]-shaped targets permuted alike
-    "permute_leading": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W).permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1)), "lm_head_cross_entropy"),
+    "permute_leading": (_permute_leading, "lm_head_cross_entropy"),
 })
 
 
-if hasattr(F, "linear_cross_entropy"):  # torch 2.13+: its reference path inlines to linear + CE
-    SPELLINGS["torch_linear_cross_entropy"] = (lambda x, W, Wdv, b, y, yv, n: F.linear_cross_entropy(
-        x.view(-1, D), W, y.view(-1), linear_bias=b, ignore_index=-100), "lm_head_cross_entropy")
+def _torch_linear_cross_entropy(x, W, b, y, **_):
+    """torch 2.13's F.linear_cross_entropy: its reference path inlines to linear + CE."""
+    return F.linear_cross_entropy(x.view(-1, D), W, y.view(-1), linear_bias=b, ignore_index=-100)
 
+
+if hasattr(F, "linear_cross_entropy"):  # torch 2.13+
+    SPELLINGS["torch_linear_cross_entropy"] = (_torch_linear_cross_entropy, "lm_head_cross_entropy")
 
 
 # ---------------------------------------------------------------------------------------------
-# declines: name -> (fn, words its reason contains)
+# declines: name -> (fn, words its reason contains); called as the spellings are
 # ---------------------------------------------------------------------------------------------
-DECLINES = {
-    "class_weights": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V)), "class weights"),
-    "probability_targets": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W).view(-1, V), F.softmax(F.linear(x, Wdv.t()), -1).detach().view(-1, V)),
-        "probability targets"),
-    "logits_other_user": (lambda x, W, Wdv, b, y, yv, n: _other_user(x, W, y), "other users"),
-    "float64_upcast": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W).double().view(-1, V), y.view(-1)), "float64 loss"),
-    "unsupported_op_between": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        torch.relu(F.linear(x, W)).view(-1, V), y.view(-1)), "unsupported op"),
-    "no_grad_lm_head": (lambda x, W, Wdv, b, y, yv, n: _no_grad_head(x, W, y), "grad mode changes"),
-    "mixed_dtype_bias": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (x.bfloat16() @ W.bfloat16().t() + b).view(-1, V), y.view(-1)), "mixed dtypes"),
-    "nll_class_weights": (lambda x, W, Wdv, b, y, yv, n: F.nll_loss(
-        F.log_softmax(F.linear(x, W), -1).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V)),
-        "class weights"),
-    "one_hot_keepdim": (lambda x, W, Wdv, b, y, yv, n: -(
-        F.one_hot(yv, V) * F.log_softmax(F.linear(x, W), -1)).sum(-1, keepdim=True).mean(), "without keepdim"),
-    "legacy_reduce": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        F.linear(x, W).view(-1, V), y.view(-1), size_average=True), "legacy"),
-    # a factor per row (here a padding mask) is not a per-vocabulary scale: it cannot go into the weight
-    "row_mask_multiply": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (F.linear(x, W) * (y != -100).unsqueeze(-1)).view(-1, V), y.view(-1)), "unsupported op"),
-    # a per-vocabulary factor computed from the logits themselves
-    "scale_from_logits": (lambda x, W, Wdv, b, y, yv, n: _scale_from_logits(x, W, y), "computed from the logits"),
-    # after the softcap only a Python number can be folded (into the cap)
-    "tensor_scale_after_tanh": (lambda x, W, Wdv, b, y, yv, n: F.cross_entropy(
-        (torch.tanh(F.linear(x, W) / 2.0) * b).view(-1, V), y.view(-1)), "after the softcap"),
-    # one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets
-    "one_hot_broadcast": (lambda x, W, Wdv, b, y, yv, n: -(
-        F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean(), "broadcast"),
-    "lse_before_permute": (lambda x, W, Wdv, b, y, yv, n: _lse_before_permute(x, W, y), "other users"),
-}
+def _class_weights(x, W, y, **_):
+    return F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V))
 
 
-def _lse_before_permute(x, W, y):
+def _probability_targets(x, W, Wdv, **_):
+    return F.cross_entropy(F.linear(x, W).view(-1, V), F.softmax(F.linear(x, Wdv.t()), -1).detach().view(-1, V))
+
+
+def _float64_upcast(x, W, y, **_):
+    return F.cross_entropy(F.linear(x, W).double().view(-1, V), y.view(-1))
+
+
+def _unsupported_op_between(x, W, y, **_):
+    return F.cross_entropy(torch.relu(F.linear(x, W)).view(-1, V), y.view(-1))
+
+
+def _mixed_dtype_bias(x, W, b, y, **_):
+    return F.cross_entropy((x.bfloat16() @ W.bfloat16().t() + b).view(-1, V), y.view(-1))
+
+
+def _nll_class_weights(x, W, y, **_):
+    return F.nll_loss(F.log_softmax(F.linear(x, W), -1).view(-1, V), y.view(-1), weight=torch.linspace(0.5, 1.5, V))
+
+
+def _one_hot_keepdim(x, W, yv, **_):
+    return -(F.one_hot(yv, V) * F.log_softmax(F.linear(x, W), -1)).sum(-1, keepdim=True).mean()
+
+
+def _legacy_reduce(x, W, y, **_):
+    return F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), size_average=True)
+
+
+def _row_mask_multiply(x, W, y, **_):
+    """A factor per row (here a padding mask) is not a per-vocabulary scale: it cannot go into the weight."""
+    return F.cross_entropy((F.linear(x, W) * (y != -100).unsqueeze(-1)).view(-1, V), y.view(-1))
+
+
+def _tensor_scale_after_tanh(x, W, b, y, **_):
+    """After the softcap only a Python number can be folded (into the cap)."""
+    return F.cross_entropy((torch.tanh(F.linear(x, W) / 2.0) * b).view(-1, V), y.view(-1))
+
+
+def _one_hot_broadcast(x, W, yv, **_):
+    """one_hot(y[T]) * lp[B, T, V] broadcasts every batch row against the same targets."""
+    return -(F.one_hot(yv[0], V) * F.log_softmax(F.linear(x, W), -1)).sum(-1).mean()
+
+
+def _lse_before_permute(x, W, y, **_):
     """A z-loss logsumexp of the logits before a permutation of their rows: the op's lse rows are in
     the permuted order, so the logsumexp keeps the logits (row 0 of it: the order matters)."""
     z = F.linear(x, W)
@@ -315,12 +428,13 @@ def _lse_before_permute(x, W, y):
     return ce + 1e-2 * (torch.logsumexp(z, -1)[0] * torch.arange(T)).sum()
 
 
-def _scale_from_logits(x, W, y):
+def _scale_from_logits(x, W, y, **_):
+    """A per-vocabulary factor computed from the logits themselves."""
     z = F.linear(x, W)
     return F.cross_entropy((z * z.detach().mean((0, 1))).view(-1, V), y.view(-1))
 
 
-def _no_grad_head(x, W, y):
+def _no_grad_head(x, W, y, **_):
     """The head runs under no_grad: moving its
     work into the loss's grad-enabled region would add gradients eager never computes."""
     with torch.no_grad():
@@ -328,9 +442,28 @@ def _no_grad_head(x, W, y):
     return F.cross_entropy(logits.view(-1, V), y.view(-1)) + x.sum() * 0
 
 
-def _other_user(x, W, y):
+def _other_user(x, W, y, **_):
     logits = F.linear(x, W)
     return F.cross_entropy(logits.view(-1, V), y.view(-1)) + 1e-3 * logits.pow(2).mean()
+
+
+DECLINES = {
+    "class_weights": (_class_weights, "class weights"),
+    "probability_targets": (_probability_targets, "probability targets"),
+    "logits_other_user": (_other_user, "other users"),
+    "float64_upcast": (_float64_upcast, "float64 loss"),
+    "unsupported_op_between": (_unsupported_op_between, "unsupported op"),
+    "no_grad_lm_head": (_no_grad_head, "grad mode changes"),
+    "mixed_dtype_bias": (_mixed_dtype_bias, "mixed dtypes"),
+    "nll_class_weights": (_nll_class_weights, "class weights"),
+    "one_hot_keepdim": (_one_hot_keepdim, "without keepdim"),
+    "legacy_reduce": (_legacy_reduce, "legacy"),
+    "row_mask_multiply": (_row_mask_multiply, "unsupported op"),
+    "scale_from_logits": (_scale_from_logits, "computed from the logits"),
+    "tensor_scale_after_tanh": (_tensor_scale_after_tanh, "after the softcap"),
+    "one_hot_broadcast": (_one_hot_broadcast, "broadcast"),
+    "lse_before_permute": (_lse_before_permute, "other users"),
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,6 +504,16 @@ def printout(gm) -> str:
     return "".join(line.rstrip() + "\n" for line in text.splitlines() if line.strip())
 
 
+def before_after(fn, inputs=None, **options) -> str:
+    """The printouts of ``fn``'s one Dynamo graph before and after the pass (``options`` are the
+    backend's), called with ``inputs`` (make_inputs() unless given) as keywords: the text the
+    ``TestPrintouts`` classes pin with ``assertExpectedInline``."""
+    rec = Recorder(**options)
+    torch.compile(fn, backend=rec)(**(inputs or make_inputs()))
+    assert len(rec.graphs) == 1
+    return rec.code_before[0] + "# --- after the pass ---\n" + rec.code_after[0]
+
+
 def fused_ops(graph_targets) -> int:
     """How many fused ops (either strategy's, or the log-probs op) a recorded graph holds."""
     return sum(t in (ops.FORWARD, ops.STORE, ops.LOGPROB_FORWARD) for t in graph_targets)
@@ -394,6 +537,31 @@ def logits_sized(graphs, rows: int = B * (T - 1)) -> list[str]:
                         and sorted(t.shape) != sorted((V, D)):
                     found.append(node.format_node())
     return found
+
+
+def assert_all_smaller(graphs, numel: int):
+    """Every tensor of ``graphs`` (AOTAutograd's, ``meta["val"]``) has fewer than ``numel`` elements:
+    with ``numel`` = N·V, no logits are computed or saved there."""
+    for graph in graphs:
+        for node in graph.graph.nodes:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor):
+                assert val.numel() < numel, f"{node.format_node()} has {tuple(val.shape)}"
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces (eager code: the chunked paths' bound on memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
 
 
 def run_both(fn, inputs, backend, requires_grad=True, fp64=True):

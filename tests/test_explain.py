@@ -61,7 +61,7 @@ def test_declined_site_reason_in_table():
 
 
 def test_table_layout():
-    def fn(x, W, Wdv, b, y, yv, n):
+    def fn(x, W, y, **_):
         a = F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1))
         c = F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1), weight=torch.ones(V))
         return a + c
@@ -80,7 +80,7 @@ def test_no_site():
 def test_escaping_logits_hint():
     """Returned logits that the op cannot write (the loss reads a slice of their rows): declined,
     saying why and what to compile instead. (Returned logits it can write fuse: test_escape.py.)"""
-    def fn(x, W, Wdv, b, y, yv, n):
+    def fn(x, W, y, **_):
         logits = F.linear(x, W)
         return {"loss": F.cross_entropy(logits[:, :-1].reshape(-1, V), y[:, 1:].reshape(-1)), "logits": logits}
     report = inductor_xent.explain(fn, **make_inputs())

@@ -4,13 +4,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import inductor_xent
 from inductor_xent import config, fallback, ops, reference
 from inductor_xent.options import LossOptions, compute_dtype
 
-from .helpers import assert_within_torch_error, fallback_chunks, torch_same_dtype_loss
+from .helpers import LargestTensor, assert_within_torch_error, case_inputs, fallback_chunks, torch_same_dtype_loss
 
 # sizes: 0 (empty), 1, primes and odd numbers, so that no chunk or row count lines up
 SIZES_N = st.sampled_from([0, 1, 2, 7, 13, 31, 64])
@@ -41,29 +40,6 @@ def cases(draw):
     )
 
 
-def make_inputs(c):
-    g = torch.Generator().manual_seed(c["seed"])
-    n, d, v, dt = c["n"], c["d"], c["v"], c["dtype"]
-    h = torch.randn(n, d, generator=g)
-    w = torch.randn(v, d, generator=g) * (3 / d**0.5)  # logits with std ~ 3
-    b = torch.randn(v, generator=g) if c["bias"] else None
-    y = torch.randint(0, v, (n,), generator=g)
-    if c["ignore"] == "some":
-        y[::3] = c["ignore_index"]
-    elif c["ignore"] == "all":
-        y[:] = c["ignore_index"]
-    elif c["ignore"] == "block":
-        y[: n // 2] = c["ignore_index"]
-    if c["non_contiguous"]:  # every other row of a wider buffer, weight as a transposed [D, V] buffer
-        h = torch.randn(n, 2, d, generator=g)[:, 0, :].copy_(h)
-        w = w.t().contiguous().t()
-    if c["three_d"]:
-        h, y = h.reshape(2, n // 2, d), y.reshape(2, n // 2)
-    h, w = h.to(dt).requires_grad_(), w.to(dt).requires_grad_()
-    b = None if b is None else b.to(dt).requires_grad_()
-    return h, w, b, y
-
-
 def _kw(c):
     return {k: c[k] for k in ("ignore_index", "reduction", "label_smoothing", "logit_scale", "softcap", "z_loss")}
 
@@ -80,7 +56,7 @@ def test_matches_oracle(c):
 
 
 def _check_against_oracle(c):
-    h, w, b, y = make_inputs(c)
+    h, w, b, y = case_inputs(c)
     params = [t for t in (h, w, b) if t is not None]
     ours = inductor_xent.linear_cross_entropy(h, w, y, bias=b, **_ours_kw(c))
     exact = reference.linear_cross_entropy(*(t.double() for t in (h, w)), y,
@@ -157,21 +133,6 @@ def test_lse_output_gradient(small_chunks):
     assert torch.autograd.gradcheck(fn, (h, w))
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
-
-
 @pytest.mark.parametrize("strategy", ["recompute", "store"])
 def test_never_materialises_logits(monkeypatch, strategy):
     """Forward and backward never create a tensor with more than one chunk of rows x V elements."""
@@ -180,7 +141,7 @@ def test_never_materialises_logits(monkeypatch, strategy):
     h = torch.randn(n, d, requires_grad=True)
     w = torch.randn(v, d, requires_grad=True)
     y = torch.randint(0, v, (n,))
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         loss = inductor_xent.linear_cross_entropy(h, w, y, softcap=5.0, z_loss=1e-4, strategy=strategy)
         loss.backward()
     assert mode.largest <= 64 * v, f"a tensor of {mode.largest} elements exists; one chunk is {64 * v}"

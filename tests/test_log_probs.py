@@ -14,9 +14,8 @@ import inductor_xent
 from inductor_xent import config, fallback, reference
 from inductor_xent.options import LossOptions
 
-from .helpers import assert_within_torch_error, fallback_chunks
+from .helpers import LargestTensor, assert_all_smaller, assert_within_torch_error, case_inputs, fallback_chunks
 from .rl import check_grpo, eager_log_probs, grpo_batch, grpo_loss, grpo_problem
-from .test_fallback import _LargestTensor
 
 
 @st.composite
@@ -38,29 +37,6 @@ def cases(draw):
         chunk_bytes=draw(st.sampled_from([64, 8 * 2**20])),  # many chunks .. one chunk
         seed=draw(st.integers(0, 2**31 - 1)),
     )
-
-
-def make_inputs(c):
-    g = torch.Generator().manual_seed(c["seed"])
-    n, d, v, dt = c["n"], c["d"], c["v"], c["dtype"]
-    h = torch.randn(n, d, generator=g)
-    w = torch.randn(v, d, generator=g) * (3 / d**0.5)  # logits with std ~ 3
-    b = torch.randn(v, generator=g) if c["bias"] else None
-    y = torch.randint(0, v, (n,), generator=g)
-    if c["ignore"] == "some":
-        y[::3] = c["ignore_index"]
-    elif c["ignore"] == "all":
-        y[:] = c["ignore_index"]
-    elif c["ignore"] == "block":
-        y[: n // 2] = c["ignore_index"]
-    if c["non_contiguous"]:  # every other row of a wider buffer, weight as a transposed [D, V] buffer
-        h = torch.randn(n, 2, d, generator=g)[:, 0, :].copy_(h)
-        w = w.t().contiguous().t()
-    if c["three_d"]:
-        h, y = h.reshape(2, n // 2, d), y.reshape(2, n // 2)
-    h, w = h.to(dt).requires_grad_(), w.to(dt).requires_grad_()
-    b = None if b is None else b.to(dt).requires_grad_()
-    return h, w, b, y
 
 
 def _kw(c):
@@ -91,7 +67,7 @@ def test_matches_oracle_with_random_upstream_gradients(c):
 
 
 def _check_random_upstream_gradients(c):
-    h, w, b, y = make_inputs(c)
+    h, w, b, y = case_inputs(c)
     params = [t for t in (h, w, b) if t is not None]
     ours = inductor_xent.linear_log_probs(h, w, y, bias=b, entropy=True, argmax=True, **_kw(c))
     up = [None if t is None else t.double() for t in (h, w, b)]
@@ -265,7 +241,7 @@ def test_never_materialises_logits(monkeypatch):
     w = torch.randn(v, d, requires_grad=True)
     y = torch.randint(0, v, (n,))
     g = torch.randn(n)
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         out = inductor_xent.linear_log_probs(h, w, y, softcap=5.0, temperature=0.9, entropy=True, argmax=True)
         (out.log_probs * g + 0.01 * out.entropy).sum().backward()
     assert mode.largest <= 64 * v, f"a tensor of {mode.largest} elements exists; one chunk is {64 * v}"
@@ -368,10 +344,6 @@ def test_compile_inductor_cpu_matches_eager_and_saves_no_logits():
     loss, _ = torch.compile(_grpo_step, backend=rec, fullgraph=True)(h, w, y, batch)
     loss.backward()
     (fw,), (bw,) = rec.fw_graphs, rec.bw_graphs
-    for graph in (fw, bw):
-        for node in graph.graph.nodes:
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor):
-                assert val.numel() < bsz * seq * v, f"{node.format_node()} has {tuple(val.shape)}"
+    assert_all_smaller((fw, bw), bsz * seq * v)
     assert torch.ops.inductor_xent.linear_logprob_bwd.default in {node.target for node in bw.graph.nodes}
     torch._dynamo.reset()

@@ -29,6 +29,7 @@ from .helpers import (
     V,
     assert_parity,
     assert_within_torch_error,
+    before_after,
     counting,
     fused_ops,
     leaves,
@@ -126,7 +127,7 @@ def test_partial_requires_grad():
     results = []
     for f in (fn, torch.compile(fn, backend=rec)):
         W = ins["W"].clone().requires_grad_(True)
-        loss = f(ins["x"], W, ins["Wdv"], ins["b"], ins["y"], ins["yv"], ins["n"])
+        loss = f(**dict(ins, W=W))
         loss.backward()
         results.append((loss.detach(), W.grad))
     torch.testing.assert_close(results[1][0], results[0][0])
@@ -176,7 +177,7 @@ def test_modules_linear_and_cross_entropy_loss():
 
 def test_two_sites_in_one_graph():
     """Two heads (e.g. a multi-token-prediction model): each fused, exact count 2."""
-    def fn(x, W, Wdv, b, y, yv, n):
+    def fn(x, W, Wdv, y, yv, **_):
         a = F.cross_entropy(F.linear(x, W).view(-1, V), y.view(-1))
         c = F.cross_entropy((x @ Wdv).view(-1, V), yv.view(-1))
         return a + c
@@ -233,7 +234,7 @@ def test_returned_logits_are_written_by_the_op():
     """Logits the compiled function returns next to the loss fuse by default: the op writes them (no
     linear is left in the graph), with or without allow_escaping_logits (which is for other users in
     the graph: tests/test_escape.py); values and gradients as eager when the caller uses them."""
-    def fn(x, W, Wdv, b, y, yv, n):
+    def fn(x, W, y, **_):
         logits = F.linear(x, W)
         return F.cross_entropy(logits.float().view(-1, V), y.view(-1)), logits
     ins = make_inputs()
@@ -307,20 +308,13 @@ def test_mark_dynamic_one_compile():
 # change to a rewrite fails here (EXPECTTEST_ACCEPT=1 re-accepts; review the diff). The printouts
 # are the same on torch 2.11 and 2.13 (helpers.printout normalises them), so both run them.
 # ---------------------------------------------------------------------------------------------
-def _before_after(fn, inputs=None) -> str:
-    rec = Recorder()
-    torch.compile(fn, backend=rec)(**(inputs or make_inputs()))
-    assert len(rec.graphs) == 1
-    return rec.code_before[0] + "# --- after the pass ---\n" + rec.code_after[0]
-
-
-def _softcap_scale_bias(x, W, Wdv, b, y, yv, n):
+def _softcap_scale_bias(x, W, b, y, **_):
     """Cohere's logit_scale and Gemma 2's softcap on a linear with a bias, upcast, mean."""
     z = torch.tanh((F.linear(x, W, b) * 0.5) / 3.0) * 3.0
     return F.cross_entropy(z.float().view(-1, V), y.view(-1))
 
 
-def _sliced_softcap_none(x, W, Wdv, b, y, yv, n):
+def _sliced_softcap_none(x, W, y, **_):
     """Next-token logits sliced off the lm_head output (the slice moves onto the hidden states),
     softcapped, per-row losses."""
     z = torch.tanh(F.linear(x, W)[:, :-1] / 2.0) * 2.0
@@ -330,7 +324,7 @@ def _sliced_softcap_none(x, W, Wdv, b, y, yv, n):
 class TestPrintouts(expecttest.TestCase):
     def test_hf_causal_lm_num_items_in_batch(self):
         """transformers' ForCausalLMLoss: upcast, view, sum over pad-shifted labels / num_items_in_batch."""
-        self.assertExpectedInline(_before_after(SPELLINGS["hf_causal_lm"][0]), """\
+        self.assertExpectedInline(before_after(SPELLINGS["hf_causal_lm"][0]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]", L_n_: "i64[]"):
         l_x_ = L_x_
@@ -370,7 +364,7 @@ class GraphModule(torch.nn.Module):
 """)
 
     def test_sliced_logits(self):
-        self.assertExpectedInline(_before_after(_sliced_softcap_none), """\
+        self.assertExpectedInline(before_after(_sliced_softcap_none), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
         l_x_ = L_x_
@@ -405,7 +399,7 @@ class GraphModule(torch.nn.Module):
 """)
 
     def test_softcap_scale_bias(self):
-        self.assertExpectedInline(_before_after(_softcap_scale_bias), """\
+        self.assertExpectedInline(before_after(_softcap_scale_bias), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_b_: "f32[37]", L_y_: "i64[2, 7]"):
         l_x_ = L_x_
@@ -443,7 +437,7 @@ class GraphModule(torch.nn.Module):
 
     def test_weight_dv(self):
         """A [D, V] weight: the op gets its strided view W.t()."""
-        self.assertExpectedInline(_before_after(SPELLINGS["weight_dv"][0]), """\
+        self.assertExpectedInline(before_after(SPELLINGS["weight_dv"][0]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 7, 16]", L_Wdv_: "f32[16, 37]", L_y_: "i64[2, 7]"):
         l_x_ = L_x_
@@ -475,7 +469,7 @@ class GraphModule(torch.nn.Module):
 
     def test_one_hot(self):
         """-(one_hot * log_softmax).sum(-1): the op's per-row loss, negated, replaces the sum."""
-        self.assertExpectedInline(_before_after(SPELLINGS["one_hot"][0]), """\
+        self.assertExpectedInline(before_after(SPELLINGS["one_hot"][0]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_yv_: "i64[2, 7]", L_W_: "f32[37, 16]", L_x_: "f32[2, 7, 16]"):
         l_yv_ = L_yv_
@@ -511,7 +505,7 @@ class GraphModule(torch.nn.Module):
 
     def test_z_loss(self):
         """A z-loss logsumexp of the same logits reads the op's lse, viewed as the logits' rows."""
-        self.assertExpectedInline(_before_after(SPELLINGS["z_loss"][0]), """\
+        self.assertExpectedInline(before_after(SPELLINGS["z_loss"][0]), """\
 class GraphModule(torch.nn.Module):
     def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
         l_x_ = L_x_
@@ -643,7 +637,7 @@ COMBOS = random.Random(0).sample(_ALL, 24)
 
 
 def _combination(combo):
-    def fn(x, W, Wdv, b, y, yv, n):
+    def fn(x, W, Wdv, b, y, yv, **_):
         z = _transform(combo["transform"], _matmul(combo["matmul"], x, W, Wdv, b))
         t, tv = y, yv
         if combo["slice_seq"]:
