@@ -294,7 +294,7 @@ def _loss_and_grads(model, fn, ids, labels):
 
 def _ratio(ours, torch_results, exact, floor) -> float:
     """err(ours) / (4 max err(torch) + floor), errors against ``exact``: <= 1 is within torch's own error."""
-    from tests.helpers import rel_err
+    from benchmarks.accuracy import rel_err
 
     return rel_err(ours, exact) / (4.0 * max(rel_err(t, exact) for t in torch_results) + floor)
 

@@ -1,8 +1,18 @@
-"""Shared fixtures, and the ``--zoo`` option: tests marked ``zoo`` (the whole transformers sweep,
-~20 minutes on 2 cores) run only when it is given."""
+"""Shared fixtures, the ``--zoo`` option (tests marked ``zoo``, the whole transformers sweep, ~20
+minutes on 2 cores, run only when it is given), and Triton's interpreter on a machine without a GPU."""
+
+import os
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run under the interpreter (tests/test_templates.py). It must be on
+# before any kernel is defined: Triton reads it at decoration, and triton.language's own jit
+# functions are made when triton is first imported, which torch._inductor does early in a session
+# (benchmarks/NOTES.md, v5). Pytest imports this file before any test module. Never with a GPU: the
+# CUDA tests of the same session run the real kernels.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_addoption(parser):

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend, normalize_gm
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.accuracy import rel_err  # the zoo sweep's measure too
 from inductor_xent import config, ops
 from inductor_xent.backend import inductor_xent as xent_backend
 from inductor_xent.options import LossOptions, compute_dtype
@@ -30,17 +31,6 @@ SOURCE_METHODS = {"log_softmax", "gather", "logsumexp", "softmax", "argmax"}
 # ---------------------------------------------------------------------------------------------
 # the tolerance rule: errors relative to PyTorch's own error against float64
 # ---------------------------------------------------------------------------------------------
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖x − ref‖ / ‖ref‖ in float64 (absolute error when ref is all zeros)."""
-    x, ref = x.detach().double(), ref.detach().double()
-    if torch.isnan(ref).any() or torch.isnan(x).any():
-        return 0.0 if torch.equal(torch.isnan(x), torch.isnan(ref)) and torch.allclose(
-            x.nan_to_num(), ref.nan_to_num(), rtol=0, atol=0) else float("inf")
-    num = (x - ref).norm().item()
-    den = ref.norm().item()
-    return num / den if den > 0 else num
-
-
 @contextlib.contextmanager
 def fallback_chunks(nbytes: int):
     """``config.fallback_chunk_bytes`` for a forward *and* its backward: the chunked CPU path

@@ -1,9 +1,9 @@
 """The Triton kernels, forward, backward and store, against the oracle.
 
 One file for both kinds of machine: on a CUDA machine the kernels run on the GPU; on a CPU machine
-they run under Triton's interpreter (TRITON_INTERPRET=1, set here before any kernel is defined).
-The interpreter is never switched on in a process that has a GPU, so it cannot leak into the CUDA
-tests that share the session (``python3 -m pytest`` runs everything in one process).
+they run under Triton's interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before any kernel
+is defined). The interpreter is never switched on in a process that has a GPU, so it cannot leak into
+the CUDA tests that share the session (``python3 -m pytest`` runs everything in one process).
 
 Shapes are tiny and odd (N=37 rows: 3 row blocks of the interpreter's 16, the last partial; D=24:
 not a multiple of the 16-wide D step; V=131: prime, 5 tiles of 32 with a ragged last one) because
@@ -13,38 +13,25 @@ the way models write it) and ours, both against a float64 oracle, and require
 ``err(ours) <= K * err(torch) + EPS``.
 """
 
-import os
+import math
 
+import pytest
 import torch
+import torch.nn.functional as F
+
+import inductor_xent
+from inductor_xent import reference
+from inductor_xent.options import LossOptions, fold_temperature
+from inductor_xent.templates import configs, launch
+from inductor_xent.templates import forward as _forward
+
+from .helpers import assert_within_torch_error, rel_err
+from .rl import check_grpo, eager_log_probs, grpo_batch
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"  # before triton kernels are defined (read at decoration)
-
-import importlib  # noqa: E402
-import math  # noqa: E402
-
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import inductor_xent  # noqa: E402
-from inductor_xent import reference  # noqa: E402
-from inductor_xent.options import LossOptions, fold_temperature  # noqa: E402
-from inductor_xent.templates import backward as _backward  # noqa: E402
-from inductor_xent.templates import configs, launch  # noqa: E402
-from inductor_xent.templates import forward as _forward  # noqa: E402
-from inductor_xent.templates import store as _store  # noqa: E402
-
-from .helpers import assert_within_torch_error, rel_err  # noqa: E402
-from .rl import check_grpo, eager_log_probs, grpo_batch  # noqa: E402
-
 DEVICE = "cuda" if CUDA else "cpu"
-if not CUDA and type(_forward.lce_fwd_kernel).__name__ != "InterpretedFunction":
-    # another test module imported the kernels before TRITON_INTERPRET was set: define them again
-    from inductor_xent.templates import common as _common
-
-    for _module in (_common, _forward, _backward, _store, launch):
-        importlib.reload(_module)
+assert CUDA or type(_forward.lce_fwd_kernel).__name__ == "InterpretedFunction", \
+    "without a GPU the kernels must be defined under TRITON_INTERPRET=1 (tests/conftest.py sets it)"
 
 # the interpreter's numpy emulation: its deprecations, and overflow in lanes that are masked off
 pytestmark = pytest.mark.filterwarnings(
