@@ -11,10 +11,12 @@ counters or ``explain``; an assertion in any rank fails the test with that rank'
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import math
 import time
 
+import expecttest
 import pytest
 import torch
 import torch.distributed as dist
@@ -525,3 +527,74 @@ def _decline_worker(rank, world_size):
 
 def test_declines_bad_layouts(tmp_path):
     spawn(tmp_path, 2, _decline_worker)
+
+
+# ---------------------------------------------------------------------------------------------
+# the rewrite of a DTensor site as text: one rank in this process (nothing to spawn or meet)
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def one_rank_mesh():
+    """A gloo process group of one rank in this process and its 1-D mesh; destroyed afterwards."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _sharded_head(x, W, y):
+    """torchtitan's head: DTensor logits Shard(-1) of a Shard(0) weight, upcast, under loss_parallel."""
+    z = F.linear(x, W).float()
+    return F.cross_entropy(z.view(-1, z.shape[-1]), y.view(-1))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+class TestPrintouts(expecttest.TestCase):
+    """The graph before and after the pass (EXPECTTEST_ACCEPT=1 re-accepts; review the diff)."""
+
+    def test_vocabulary_parallel_head(self):
+        """The op on the DTensors (the vocabulary-parallel rule in distributed.py); its per-row loss
+        taken to_local for the mean, which is replicated like the hidden states again at the end."""
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        from .helpers import before_after, make_inputs
+
+        ins = make_inputs()
+        with one_rank_mesh() as mesh, loss_context("loss_parallel"):
+            inputs = {"x": distribute_tensor(ins["x"], mesh, [Replicate()]),
+                      "W": distribute_tensor(ins["W"], mesh, [Shard(0)]), "y": ins["y"]}
+            text = before_after(_sharded_head, inputs)
+        self.assertExpectedInline(text, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "DTensor(f32[2, 7, 16], R)", L_W_: "DTensor(f32[37, 16], S(0))", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        linear: "DTensor(f32[2, 7, 37], S(2))" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        z: "DTensor(f32[2, 7, 37], S(2))" = linear.float();  linear = None
+        view: "DTensor(f32[14, 37], S(1))" = z.view(-1, 37);  z = None
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        cross_entropy: "DTensor(f32[], R)" = torch.nn.functional.cross_entropy(view, view_1);  view = view_1 = None
+        return (cross_entropy,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "DTensor(f32[2, 7, 16], R)", L_W_: "DTensor(f32[37, 16], S(0))", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        reshape: "DTensor(f32[14, 16], R)" = l_x_.reshape([-1, 16])
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, view_1, -100, 0.0, 1.0, None, 0.0);  reshape = l_w_ = None
+        getitem: "DTensor(f32[14], R)" = linear_ce_fwd_default[0]
+        to_local: "f32[14]" = getitem.to_local();  getitem = None
+        getitem_1: "DTensor(f32[14], R)" = linear_ce_fwd_default[1];  linear_ce_fwd_default = None
+        to_local_1: "f32[14]" = getitem_1.to_local();  getitem_1 = to_local_1 = None
+        ne: "b8[14]" = view_1 != -100;  view_1 = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        sum_2: "f32[]" = to_local.sum();  to_local = None
+        truediv: "f32[]" = sum_2 / sum_1;  sum_2 = sum_1 = None
+        replicate_like: "DTensor(f32[], R)" = inductor_xent_distributed_replicate_like(truediv, l_x_);  truediv = l_x_ = None
+        return (replicate_like,)
+""")

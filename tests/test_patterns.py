@@ -321,6 +321,15 @@ def _sliced_softcap_none(x, W, y, **_):
     return F.cross_entropy(z.float().reshape(-1, V), y[:, 1:].reshape(-1), reduction="none")
 
 
+def _z_loss_late_targets(x, W, y, **_):
+    """A z-loss logsumexp first, the shifted labels computed after it: the op takes the logsumexp's
+    place, so the labels' computation moves above it."""
+    z = F.linear(x, W).float().view(-1, V)
+    lse = torch.logsumexp(z, -1)
+    t = F.pad(y, (0, 1), value=-100)[:, 1:].reshape(-1)
+    return F.cross_entropy(z, t) + 1e-2 * lse.pow(2).mean()
+
+
 class TestPrintouts(expecttest.TestCase):
     def test_hf_causal_lm_num_items_in_batch(self):
         """transformers' ForCausalLMLoss: upcast, view, sum over pad-shifted labels / num_items_in_batch."""
@@ -545,6 +554,165 @@ class GraphModule(torch.nn.Module):
         mul: "f32[]" = 0.01 * mean;  mean = None
         add: "f32[]" = truediv + mul;  truediv = mul = None
         return (add,)
+""")
+
+    def test_store(self):
+        """The store strategy forced: one op returns the reduced loss (its gradients computed in the
+        same pass); the division by num_items_in_batch stays the graph's."""
+        options = {"xent.strategy": "store", "xent.store_budget": "1GiB"}
+        self.assertExpectedInline(before_after(SPELLINGS["hf_causal_lm"][0], leaves(make_inputs()), **options), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]", L_n_: "i64[]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        l_n_ = L_n_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        logits: "f32[2, 7, 37]" = linear.float();  linear = None
+        labels: "i64[2, 8]" = torch._C._nn.pad(l_y_, (0, 1), 'constant', -100);  l_y_ = None
+        getitem: "i64[2, 7]" = labels[(Ellipsis, slice(1, None, None))];  labels = None
+        shift: "i64[2, 7]" = getitem.contiguous();  getitem = None
+        view: "f32[14, 37]" = logits.view(-1, 37);  logits = None
+        view_1: "i64[14]" = shift.view(-1);  shift = None
+        to: "i64[14]" = view_1.to(device(type='cpu'));  view_1 = None
+        loss: "f32[]" = torch.nn.functional.cross_entropy(view, to, ignore_index = -100, reduction = 'sum');  view = to = None
+        truediv: "f32[]" = loss / l_n_;  loss = l_n_ = None
+        return (truediv,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]", L_n_: "i64[]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        l_n_ = L_n_
+        labels: "i64[2, 8]" = torch._C._nn.pad(l_y_, (0, 1), 'constant', -100);  l_y_ = None
+        getitem: "i64[2, 7]" = labels[(Ellipsis, slice(1, None, None))];  labels = None
+        shift: "i64[2, 7]" = getitem.contiguous();  getitem = None
+        view_1: "i64[14]" = shift.view(-1);  shift = None
+        to: "i64[14]" = view_1.to(device(type='cpu'));  view_1 = None
+        reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
+        linear_ce_store_default = torch.ops.inductor_xent.linear_ce_store.default(reshape, l_w_, None, to, -100, 0.0, 1.0, None, 0.0, 'sum', 0, '1GiB', True, True, False);  reshape = l_w_ = to = None
+        getitem_1: "f32[]" = linear_ce_store_default[0];  linear_ce_store_default = None
+        truediv: "f32[]" = getitem_1 / l_n_;  getitem_1 = l_n_ = None
+        return (truediv,)
+""")
+
+    def test_targets_hoisted_above_the_op(self):
+        self.assertExpectedInline(before_after(_z_loss_late_targets), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        float_1: "f32[2, 7, 37]" = linear.float();  linear = None
+        z: "f32[14, 37]" = float_1.view(-1, 37);  float_1 = None
+        lse: "f32[14]" = torch.logsumexp(z, -1)
+        pad: "i64[2, 8]" = torch._C._nn.pad(l_y_, (0, 1), 'constant', -100);  l_y_ = None
+        getitem: "i64[2, 7]" = pad[(slice(None, None, None), slice(1, None, None))];  pad = None
+        t: "i64[14]" = getitem.reshape(-1);  getitem = None
+        cross_entropy: "f32[]" = torch.nn.functional.cross_entropy(z, t);  z = t = None
+        pow_1: "f32[14]" = lse.pow(2);  lse = None
+        mean: "f32[]" = pow_1.mean();  pow_1 = None
+        mul: "f32[]" = 0.01 * mean;  mean = None
+        add: "f32[]" = cross_entropy + mul;  cross_entropy = mul = None
+        return (add,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        pad: "i64[2, 8]" = torch._C._nn.pad(l_y_, (0, 1), 'constant', -100);  l_y_ = None
+        getitem: "i64[2, 7]" = pad[(slice(None, None, None), slice(1, None, None))];  pad = None
+        t: "i64[14]" = getitem.reshape(-1);  getitem = None
+        reshape_1: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_1, l_w_, None, t, -100, 0.0, 1.0, None, 0.0);  reshape_1 = l_w_ = None
+        getitem_1: "f32[14]" = linear_ce_fwd_default[0]
+        getitem_2: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = None
+        ne: "b8[14]" = t != -100;  t = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        sum_2: "f32[]" = getitem_1.sum();  getitem_1 = None
+        truediv: "f32[]" = sum_2 / sum_1;  sum_2 = sum_1 = None
+        pow_1: "f32[14]" = getitem_2.pow(2);  getitem_2 = None
+        mean: "f32[]" = pow_1.mean();  pow_1 = None
+        mul: "f32[]" = 0.01 * mean;  mean = None
+        add: "f32[]" = truediv + mul;  truediv = mul = None
+        return (add,)
+""")
+
+    def test_vocab_scale_folded_into_the_weight(self):
+        """Dory's per-vocabulary scale ``logits * s``: the op gets ``W * s[:, None]``, no logit scale."""
+        self.assertExpectedInline(before_after(SPELLINGS["vocab_scale"][0]), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_b_: "f32[37]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_b_ = L_b_
+        l_y_ = L_y_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        float_1: "f32[2, 7, 37]" = linear.float();  linear = None
+        mul: "f32[2, 7, 37]" = float_1 * l_b_;  float_1 = l_b_ = None
+        view: "f32[14, 37]" = mul.view(-1, 37);  mul = None
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        cross_entropy: "f32[]" = torch.nn.functional.cross_entropy(view, view_1);  view = view_1 = None
+        return (cross_entropy,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_b_: "f32[37]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_b_ = L_b_
+        l_y_ = L_y_
+        reshape_1: "f32[37, 1]" = l_b_.reshape((-1, 1));  l_b_ = None
+        mul_1: "f32[37, 16]" = l_w_ * reshape_1;  l_w_ = reshape_1 = None
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, mul_1, None, view_1, -100, 0.0, 1.0, None, 0.0);  reshape = mul_1 = None
+        getitem: "f32[14]" = linear_ce_fwd_default[0]
+        getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
+        ne: "b8[14]" = view_1 != -100;  view_1 = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        sum_2: "f32[]" = getitem.sum();  getitem = None
+        truediv: "f32[]" = sum_2 / sum_1;  sum_2 = sum_1 = None
+        return (truediv,)
+""")
+
+    def test_leading_permutation(self):
+        """ProphetNet's ``logits.transpose(0, 1)``: the permutation moves onto the hidden states."""
+        self.assertExpectedInline(before_after(SPELLINGS["prophetnet_transpose"][0]), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        transpose: "f32[7, 2, 37]" = linear.transpose(0, 1);  linear = None
+        z: "f32[7, 2, 37]" = transpose.contiguous();  transpose = None
+        view: "f32[14, 37]" = z.view(-1, 37);  z = None
+        lp: "f32[14, 37]" = torch.nn.functional.log_softmax(view, dim = -1, dtype = torch.float32);  view = None
+        transpose_1: "i64[7, 2]" = l_y_.transpose(0, 1);  l_y_ = None
+        reshape: "i64[14]" = transpose_1.reshape(-1);  transpose_1 = None
+        nll_loss: "f32[]" = torch.nn.functional.nll_loss(lp, reshape);  lp = reshape = None
+        return (nll_loss,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        transpose_1: "i64[7, 2]" = l_y_.transpose(0, 1);  l_y_ = None
+        reshape: "i64[14]" = transpose_1.reshape(-1);  transpose_1 = None
+        permute: "f32[7, 2, 16]" = l_x_.permute((1, 0, 2));  l_x_ = None
+        reshape_1: "f32[14, 16]" = permute.reshape([-1, 16]);  permute = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_1, l_w_, None, reshape, -100, 0.0, 1.0, None, 0.0);  reshape_1 = l_w_ = None
+        getitem: "f32[14]" = linear_ce_fwd_default[0]
+        getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
+        ne: "b8[14]" = reshape != -100;  reshape = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        sum_2: "f32[]" = getitem.sum();  getitem = None
+        truediv: "f32[]" = sum_2 / sum_1;  sum_2 = sum_1 = None
+        return (truediv,)
 """)
 
 

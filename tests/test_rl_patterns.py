@@ -8,6 +8,7 @@ what declines, with its reason.
 
 from __future__ import annotations
 
+import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from .helpers import (
     V,
     assert_all_smaller,
     assert_within_torch_error,
+    before_after,
     counting,
     fused_ops,
     logits_sized,
@@ -228,6 +230,51 @@ def test_no_logits_in_aot_graphs(name):
     assert op in targets(aot.fw_graphs[0])
     backward = ops.BACKWARD if op is FWD else ops.LOGPROB_BACKWARD
     assert [backward in targets(g) for g in aot.bw_graphs] == [True] * bool(trained)
+
+
+class TestPrintouts(expecttest.TestCase):
+    """The graph before and after the pass (EXPECTTEST_ACCEPT=1 re-accepts; review the diff)."""
+
+    def test_log_probs_and_entropy(self):
+        """Two heads of one log_softmax at T: one log-probs op with the entropy, the temperature in
+        its logit scale; the log-probs viewed as the gather's [B, T, 1], the entropy as the rows'."""
+        self.assertExpectedInline(before_after(_log_probs_entropy, _inputs()), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_yv_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_yv_ = L_yv_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        float_1: "f32[2, 7, 37]" = linear.float();  linear = None
+        truediv: "f32[2, 7, 37]" = float_1 / 0.7;  float_1 = None
+        logp: "f32[2, 7, 37]" = torch.nn.functional.log_softmax(truediv, dim = -1);  truediv = None
+        unsqueeze: "i64[2, 7, 1]" = l_yv_.unsqueeze(-1);  l_yv_ = None
+        gather: "f32[2, 7, 1]" = logp.gather(-1, unsqueeze);  unsqueeze = None
+        squeeze: "f32[2, 7]" = gather.squeeze(-1);  gather = None
+        exp: "f32[2, 7, 37]" = logp.exp()
+        mul: "f32[2, 7, 37]" = exp * logp;  exp = logp = None
+        sum_1: "f32[2, 7]" = mul.sum(-1);  mul = None
+        neg: "f32[2, 7]" = -sum_1;  sum_1 = None
+        return (squeeze, neg)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_yv_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_yv_ = L_yv_
+        unsqueeze: "i64[2, 7, 1]" = l_yv_.unsqueeze(-1);  l_yv_ = None
+        flatten: "f32[14, 16]" = l_x_.flatten(0, -2)
+        reshape: "i64[14]" = unsqueeze.reshape(-1)
+        linear_logprob_fwd_default = torch.ops.inductor_xent.linear_logprob_fwd.default(flatten, l_w_, None, reshape, -2147483648, 1.4285714285714286, None, True, False);  flatten = l_w_ = reshape = None
+        getitem: "f32[14]" = linear_logprob_fwd_default[0]
+        view_as: "f32[2, 7, 1]" = getitem.view_as(unsqueeze);  getitem = unsqueeze = None
+        getitem_1: "f32[14]" = linear_logprob_fwd_default[1];  linear_logprob_fwd_default = None
+        size = l_x_.size();  l_x_ = None
+        getitem_2 = size[slice(None, -1, None)];  size = None
+        view: "f32[2, 7]" = getitem_1.view(getitem_2);  getitem_1 = getitem_2 = None
+        squeeze: "f32[2, 7]" = view_as.squeeze(-1);  view_as = None
+        return (squeeze, view)
+""")
 
 
 # ---------------------------------------------------------------------------------------------

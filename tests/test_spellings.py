@@ -6,6 +6,7 @@ temperature's included) within torch's error of eager."""
 
 from __future__ import annotations
 
+import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from .helpers import (
     autocast_exact,
     autocast_loss_and_grads,
     autocast_representable,
+    before_after,
     fused_ops,
     leaves,
     logits_sized,
@@ -149,6 +151,158 @@ def test_spelling_fuses_with_eager_values_and_gradients(name):
     assert_parity(fn, ins, rec, what=name)
     assert fused_ops(rec.after[0]) == n_ops
     assert not logits_sized(rec.graphs, rows=4), "no [N, V] tensor is left in the graph"
+
+
+class TestPrintouts(expecttest.TestCase):
+    """The graph before and after the pass (EXPECTTEST_ACCEPT=1 re-accepts; review the diff)."""
+
+    def test_temperature_per_row(self):
+        """``logits / temp.unsqueeze(-1)``: the hidden states are divided instead (the factor is per
+        row); the op sees a logit scale of 1."""
+        self.assertExpectedInline(before_after(_temp_token, _inputs()), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_temp_: "f32[2, 7]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_temp_ = L_temp_
+        l_y_ = L_y_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        float_1: "f32[2, 7, 37]" = linear.float();  linear = None
+        unsqueeze: "f32[2, 7, 1]" = l_temp_.unsqueeze(-1);  l_temp_ = None
+        z: "f32[2, 7, 37]" = float_1 / unsqueeze;  float_1 = unsqueeze = None
+        view: "f32[14, 37]" = z.view(-1, 37);  z = None
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        cross_entropy: "f32[]" = torch.nn.functional.cross_entropy(view, view_1);  view = view_1 = None
+        return (cross_entropy,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_temp_: "f32[2, 7]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_temp_ = L_temp_
+        l_y_ = L_y_
+        unsqueeze: "f32[2, 7, 1]" = l_temp_.unsqueeze(-1);  l_temp_ = None
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        truediv_1: "f32[2, 7, 16]" = l_x_ / unsqueeze;  l_x_ = unsqueeze = None
+        reshape: "f32[14, 16]" = truediv_1.reshape([-1, 16]);  truediv_1 = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, view_1, -100, 0.0, 1.0, None, 0.0);  reshape = l_w_ = None
+        getitem: "f32[14]" = linear_ce_fwd_default[0]
+        getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
+        ne: "b8[14]" = view_1 != -100;  view_1 = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        sum_2: "f32[]" = getitem.sum();  getitem = None
+        truediv_2: "f32[]" = sum_2 / sum_1;  sum_2 = sum_1 = None
+        return (truediv_2,)
+""")
+
+    def test_sigmoid_shift(self):
+        """``23 * sigmoid((z + 5) / 7.5)`` is ``11.5 + 11.5 * tanh((z + 5) / 15)``: the 5 becomes a
+        bias of the op, the rest its logit scale (11.5 / 15) and softcap (11.5); the added 11.5 does
+        not change the loss."""
+        self.assertExpectedInline(before_after(_sigmoid_shift, _inputs()), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        float_1: "f32[2, 7, 37]" = linear.float();  linear = None
+        add: "f32[2, 7, 37]" = float_1 + 5;  float_1 = None
+        truediv: "f32[2, 7, 37]" = add / 7.5;  add = None
+        sigmoid: "f32[2, 7, 37]" = torch.sigmoid(truediv);  truediv = None
+        z: "f32[2, 7, 37]" = 23 * sigmoid;  sigmoid = None
+        view: "f32[14, 37]" = z.view(-1, 37);  z = None
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        cross_entropy: "f32[]" = torch.nn.functional.cross_entropy(view, view_1);  view = view_1 = None
+        return (cross_entropy,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
+        new_full: "f32[37]" = l_w_.new_full((37,), 5.0)
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, new_full, view_1, -100, 0.0, 0.7666666666666666, 11.5, 0.0);  reshape = l_w_ = new_full = None
+        getitem: "f32[14]" = linear_ce_fwd_default[0]
+        getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
+        ne: "b8[14]" = view_1 != -100;  view_1 = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        sum_2: "f32[]" = getitem.sum();  getitem = None
+        truediv_1: "f32[]" = sum_2 / sum_1;  sum_2 = sum_1 = None
+        return (truediv_1,)
+""")
+
+    def test_slices_iadd(self):
+        """``total += cross_entropy(z[s:e], t[s:e], reduction="sum")``: one op per row slice, on the
+        same slice of the hidden states, each summed into the total as before."""
+        self.assertExpectedInline(before_after(_slices_iadd, _inputs()), """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        linear: "f32[2, 7, 37]" = torch._C._nn.linear(l_x_, l_w_);  l_x_ = l_w_ = None
+        z: "f32[14, 37]" = linear.view(-1, 37);  linear = None
+        t: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        total: "f32[]" = torch.zeros(())
+        getitem: "f32[5, 37]" = z[slice(0, 5, None)]
+        float_1: "f32[5, 37]" = getitem.float();  getitem = None
+        getitem_1: "i64[5]" = t[slice(0, 5, None)]
+        cross_entropy: "f32[]" = torch.nn.functional.cross_entropy(float_1, getitem_1, reduction = 'sum');  float_1 = getitem_1 = None
+        total += cross_entropy;  total_1: "f32[]" = total;  total = cross_entropy = None
+        getitem_2: "f32[5, 37]" = z[slice(5, 10, None)]
+        float_2: "f32[5, 37]" = getitem_2.float();  getitem_2 = None
+        getitem_3: "i64[5]" = t[slice(5, 10, None)]
+        cross_entropy_1: "f32[]" = torch.nn.functional.cross_entropy(float_2, getitem_3, reduction = 'sum');  float_2 = getitem_3 = None
+        total_1 += cross_entropy_1;  total_2: "f32[]" = total_1;  total_1 = cross_entropy_1 = None
+        getitem_4: "f32[4, 37]" = z[slice(10, 15, None)];  z = None
+        float_3: "f32[4, 37]" = getitem_4.float();  getitem_4 = None
+        getitem_5: "i64[4]" = t[slice(10, 15, None)]
+        cross_entropy_2: "f32[]" = torch.nn.functional.cross_entropy(float_3, getitem_5, reduction = 'sum');  float_3 = getitem_5 = None
+        total_2 += cross_entropy_2;  total_3: "f32[]" = total_2;  total_2 = cross_entropy_2 = None
+        ne: "b8[14]" = t != -100;  t = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        truediv: "f32[]" = total_3 / sum_1;  total_3 = sum_1 = None
+        return (truediv,)
+# --- after the pass ---
+class GraphModule(torch.nn.Module):
+    def forward(self, L_x_: "f32[2, 7, 16]", L_W_: "f32[37, 16]", L_y_: "i64[2, 7]"):
+        l_x_ = L_x_
+        l_w_ = L_W_
+        l_y_ = L_y_
+        t: "i64[14]" = l_y_.view(-1);  l_y_ = None
+        total: "f32[]" = torch.zeros(())
+        getitem_1: "i64[5]" = t[slice(0, 5, None)]
+        reshape: "f32[14, 16]" = l_x_.reshape([-1, 16])
+        getitem_6: "f32[5, 16]" = reshape[slice(0, 5, None)];  reshape = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_6, l_w_, None, getitem_1, -100, 0.0, 1.0, None, 0.0);  getitem_6 = getitem_1 = None
+        getitem_7: "f32[5]" = linear_ce_fwd_default[0]
+        getitem_8: "f32[5]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_8 = None
+        sum_2: "f32[]" = getitem_7.sum();  getitem_7 = None
+        total += sum_2;  total_1: "f32[]" = total;  total = sum_2 = None
+        getitem_3: "i64[5]" = t[slice(5, 10, None)]
+        reshape_1: "f32[14, 16]" = l_x_.reshape([-1, 16])
+        getitem_9: "f32[5, 16]" = reshape_1[slice(5, 10, None)];  reshape_1 = None
+        linear_ce_fwd_default_1 = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_9, l_w_, None, getitem_3, -100, 0.0, 1.0, None, 0.0);  getitem_9 = getitem_3 = None
+        getitem_10: "f32[5]" = linear_ce_fwd_default_1[0]
+        getitem_11: "f32[5]" = linear_ce_fwd_default_1[1];  linear_ce_fwd_default_1 = getitem_11 = None
+        sum_3: "f32[]" = getitem_10.sum();  getitem_10 = None
+        total_1 += sum_3;  total_2: "f32[]" = total_1;  total_1 = sum_3 = None
+        getitem_5: "i64[4]" = t[slice(10, 15, None)]
+        reshape_2: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
+        getitem_12: "f32[4, 16]" = reshape_2[slice(10, 15, None)];  reshape_2 = None
+        linear_ce_fwd_default_2 = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_12, l_w_, None, getitem_5, -100, 0.0, 1.0, None, 0.0);  getitem_12 = l_w_ = getitem_5 = None
+        getitem_13: "f32[4]" = linear_ce_fwd_default_2[0]
+        getitem_14: "f32[4]" = linear_ce_fwd_default_2[1];  linear_ce_fwd_default_2 = getitem_14 = None
+        sum_4: "f32[]" = getitem_13.sum();  getitem_13 = None
+        total_2 += sum_4;  total_3: "f32[]" = total_2;  total_2 = sum_4 = None
+        ne: "b8[14]" = t != -100;  t = None
+        sum_1: "i64[]" = ne.sum();  ne = None
+        truediv: "f32[]" = total_3 / sum_1;  total_3 = sum_1 = None
+        return (truediv,)
+""")
 
 
 def test_temperature_tensor_gets_its_gradient():
