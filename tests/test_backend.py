@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import fresh_cache
 
 import inductor_xent
-from inductor_xent import backend, compat, escape, ops
+from inductor_xent import backend, compat, dynamo_tuning, escape, ops
 from inductor_xent import inductor_pass as install
 
 from .helpers import SPELLINGS, Recorder, V, assert_parity, counting, fused_ops, leaves, make_inputs
@@ -287,13 +287,13 @@ def test_inductor_cpu_spellings(name):
 
 
 def test_torch_compile_drops_backend_ctx_ctor():
-    """Why the Dynamo tuning (``compat.tune_dynamo``: ignore_logging_functions, nested_graph_breaks) is
+    """Why the Dynamo tuning (``dynamo_tuning.tune_dynamo``: ignore_logging_functions, nested_graph_breaks) is
     process-wide, not scoped to our own frames: the only per-backend hook, a ``backend_ctx_ctor``
     attribute entered around the compiled frames, is honoured by ``torch._dynamo.optimize`` but not by
     ``torch.compile``, which wraps every backend (string or callable, with or without options) in
     ``_TorchCompileWrapper`` without it (torch 2.11 and 2.13). And the backend itself runs only after
     Dynamo has traced. If this fails, torch has started honouring the hook, and
-    ``compat.honour_backend_ctx`` (which hands ours on) can go."""
+    ``dynamo_tuning.honour_backend_ctx`` (which hands ours on) can go."""
     entered = []
 
     class Recording:
@@ -321,7 +321,7 @@ def test_torch_compile_drops_backend_ctx_ctor():
 
 
 # ---------------------------------------------------------------------------------------------
-# the Dynamo tuning (compat.tune_dynamo): applied at lookup and at each backend call
+# the Dynamo tuning (dynamo_tuning.tune_dynamo): applied at lookup and at each backend call
 # ---------------------------------------------------------------------------------------------
 def _logs_then_adds(logger, method="warning_once"):
     def f(x):
@@ -340,12 +340,12 @@ def test_dynamo_tuning_ignores_transformers_warning_once_only(untuned_dynamo):
     hf_logging = pytest.importorskip("transformers.utils.logging")
     cfg = untuned_dynamo
     before = cfg.get_config_copy()
-    assert compat.tune_dynamo() == {"ignore_logging_functions": hf_logging.warning_once}
+    assert dynamo_tuning.tune_dynamo() == {"ignore_logging_functions": hf_logging.warning_once}
     after = cfg.get_config_copy()
     assert after.pop("ignore_logging_functions") == before.pop("ignore_logging_functions") | {hf_logging.warning_once}
     assert after == before
     assert logging.Logger.warning_once is hf_logging.warning_once
-    assert compat.tune_dynamo() == {}
+    assert dynamo_tuning.tune_dynamo() == {}
 
     logger = logging.getLogger("inductor_xent.tests")
     frames = []
@@ -364,7 +364,7 @@ def test_dynamo_tuning_keeps_dynamo_compilation_metrics_loggable(untuned_dynamo)
     exception logging compilation metrics" (seen on the H200 box); the set then holds a stand-in."""
     hf_logging = pytest.importorskip("transformers.utils.logging")
     probe = getattr(torch._dynamo.utils, "_get_dynamo_config_for_logging", None)
-    compat.tune_dynamo()
+    dynamo_tuning.tune_dynamo()
     assert hf_logging.warning_once in untuned_dynamo.ignore_logging_functions
     if probe is not None:
         json.loads(probe())
@@ -387,14 +387,14 @@ def test_dynamo_tuning_off_or_no_transformers_changes_nothing(untuned_dynamo, mo
     cfg = untuned_dynamo
     before = cfg.get_config_copy()
     monkeypatch.setenv("INDUCTOR_XENT_DYNAMO_TUNING", "0")
-    assert compat.tune_dynamo() == {} and cfg.get_config_copy() == before
+    assert dynamo_tuning.tune_dynamo() == {} and cfg.get_config_copy() == before
     counter = counting(backend.inductor_xent, **{"xent.inner": "aot_eager"})
     torch.compile(_logs_then_adds(logging.getLogger("inductor_xent.tests")), backend=counter)(torch.randn(3))
     assert counter.frame_count == 2 and cfg.get_config_copy() == before
     monkeypatch.delenv("INDUCTOR_XENT_DYNAMO_TUNING")
     for name in [m for m in sys.modules if m == "transformers" or m.startswith("transformers.")]:
         monkeypatch.delitem(sys.modules, name)
-    assert compat.tune_dynamo() == {} and cfg.get_config_copy() == before
+    assert dynamo_tuning.tune_dynamo() == {} and cfg.get_config_copy() == before
     assert "transformers.utils.logging" not in sys.modules
 
 
@@ -403,7 +403,7 @@ def test_dynamo_tuning_bad_value_names_accepted_values(untuned_dynamo, monkeypat
     monkeypatch.setenv(name, "maybe")
     message = f"{name}='maybe'; expected one of 1, true, on, yes, 0, false, off, no"
     with pytest.raises(ValueError, match=message):
-        compat.tune_dynamo()
+        dynamo_tuning.tune_dynamo()
     with pytest.raises(Exception, match=message):  # through torch.compile: Dynamo wraps the backend's error
         torch.compile(lambda x: x.cos(), backend="inductor_xent")(torch.randn(3))
 
@@ -419,7 +419,7 @@ def _forward_with_item(x, W, y):
 
 def test_nested_graph_breaks_scoped_to_our_compiled_calls(untuned_dynamo, monkeypatch):
     """By default a function compiled with backend="inductor_xent" is traced with
-    ``nested_graph_breaks`` (compat.DynamoScope, entered around each call): a loss-only function around
+    ``nested_graph_breaks`` (dynamo_tuning.DynamoScope, entered around each call): a loss-only function around
     a forward that breaks before its lm_head fuses in a graph that returns only the loss, loss and
     gradients within torch's error (string or callable backend, with options). The option is back to
     False after each call; another backend in the same process traces without it, and
@@ -438,7 +438,7 @@ def test_nested_graph_breaks_scoped_to_our_compiled_calls(untuned_dynamo, monkey
             returned.append(bool(gm.meta.get(escape.META_KEY, (None, []))[1]))
         return compiled
 
-    recording.backend_ctx_ctor = compat.DynamoScope  # what the real backend carries
+    recording.backend_ctx_ctor = dynamo_tuning.DynamoScope  # what the real backend carries
     recording._inductor_xent_backend = True
     for how in ("inductor_xent", recording):
         torch._dynamo.reset()

@@ -121,7 +121,7 @@ class _BreakingModel(torch.nn.Module):
 
 def test_break_inside_forward_escape_names_nested_graph_breaks(untuned_dynamo, monkeypatch):
     """A loss-only function around a forward that graph-breaks fuses, as under the backend (explain
-    traces inside compat.DynamoScope: nested graph breaks, restored afterwards). With
+    traces inside dynamo_tuning.DynamoScope: nested graph breaks, restored afterwards). With
     INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0 Dynamo returns the logits from the forward's last graph, and
     explain says which setting keeps them out of it; setting Dynamo's option directly fuses too."""
     ins = make_inputs()

@@ -115,6 +115,18 @@ def _chunk_sum(x, W, y, **_):
     return total
 
 
+def _musicgen(x, W, Wdv, y, yv, **_):
+    """transformers' MusicgenForCausalLM: codebook heads stacked on dim 1, a loss per codebook
+    ``logits[:, k]`` summed in a loop, over the number of codebooks (here two heads, the second a
+    [D, V] weight used as x @ Wdv)."""
+    logits = torch.stack([F.linear(x, W), x @ Wdv], dim=1)
+    labels = torch.stack([y, yv], dim=-1)
+    loss = torch.zeros([])
+    for k in range(2):
+        loss += F.cross_entropy(logits[:, k].contiguous().view(-1, V), labels[..., k].contiguous().view(-1))
+    return loss / 2
+
+
 def _detached_reference(x, W, yv, **_):
     """A loss and the log-probs of the same logits without gradient, through ``.detach()`` (what the
     grad-mode decline suggests instead of ``torch.no_grad()``)."""
@@ -137,6 +149,7 @@ FUSED = {
     "split_sum": (_split_sum, 4, "one op per row slice"),
     "chunk_sum": (_chunk_sum, 2, "one op per row slice"),
     "detached_reference": (_detached_reference, 1, "logits.detach() heads without gradient"),
+    "musicgen": (_musicgen, 2, "one of several stacked heads"),
 }
 
 

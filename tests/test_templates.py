@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import inductor_xent
-from inductor_xent import reference
+from inductor_xent import reference, strategy
 from inductor_xent.options import LossOptions, fold_temperature
 from inductor_xent.templates import configs, launch
 from inductor_xent.templates import forward as _forward
@@ -135,13 +135,19 @@ def reduced_and_grads(h, w, b, t, o, reduction, *, torch_way):
     return [loss.detach()] + list(torch.autograd.grad(loss, leaves))
 
 
+def op_fp32_accumulate(h, w, chunk_rows, needs):
+    """What the store op passes the launcher: strategy's precision rule for these row chunks."""
+    return strategy.fp32_accumulate(h.shape[0], chunk_rows, w.element_size(), needs[1])
+
+
 def check_store(h, w, b, t, o, *, reduction="mean", chunk_rows=0, needs=None, eps=None):
     """The store strategy (loss and gradients in one pass over row chunks) against the oracle."""
     needs = needs or (True, True, b is not None)
     ref = reduced_and_grads(*[None if x is None else x.double() for x in (h, w, b)], t, o, reduction,
                             torch_way=False)
     pt = reduced_and_grads(h, w, b, t, o, reduction, torch_way=True)
-    loss, *grads = launch.store(h, w, b, t, o, reduction, chunk_rows, needs)
+    loss, *grads = launch.store(h, w, b, t, o, reduction, chunk_rows, needs,
+                                fp32_accumulate=op_fp32_accumulate(h, w, chunk_rows, needs))
     assert loss.dtype == torch.float32 and loss.dim() == 0
     eps = EPS[h.dtype] if eps is None else eps
     assert_within_torch_error(loss, pt[0], ref[0], k=K, floor=eps, what="loss")
@@ -240,7 +246,7 @@ def test_z_loss_gradient_where_softmax_is_onehot(smoothing):
     for name, x, s, e in zip(("hidden", "weight"), ours, same, exact):
         assert_within_torch_error(x, s, e, k=K, floor=1e-7, what=name)
     # store computes the same gradient in its forward (sum: upstream 1 per row)
-    loss, gh, gw, _ = launch.store(h, w, None, t, o, "sum", 0, (True, True, False))
+    loss, gh, gw, _ = launch.store(h, w, None, t, o, "sum", 0, (True, True, False), fp32_accumulate=False)
     exact = grads(h.double(), w.double(), lambda h, w: reference.loss_rows(h, w, None, t, o)[0] / gl.double())
     for name, x, e in zip(("hidden", "weight"), (gh, gw), exact):
         assert rel_err(x, e) <= 1e-6, (name, rel_err(x, e))
@@ -282,8 +288,9 @@ def test_backward_needs_subset(needs):
             torch.testing.assert_close(x, ref, rtol=0, atol=0)
         else:
             assert x.shape == (0,)
-    store_full = launch.store(h, w, b, t, o, "mean", 16, (True, True, True))
-    store_part = launch.store(h, w, b, t, o, "mean", 16, needs)
+    store_full = launch.store(h, w, b, t, o, "mean", 16, (True, True, True),
+                              fp32_accumulate=op_fp32_accumulate(h, w, 16, (True, True, True)))
+    store_part = launch.store(h, w, b, t, o, "mean", 16, needs, fp32_accumulate=op_fp32_accumulate(h, w, 16, needs))
     for need, x, ref in zip(needs, store_part[1:], store_full[1:]):
         if need:
             torch.testing.assert_close(x, ref, rtol=0, atol=0)
@@ -299,7 +306,8 @@ def test_deterministic():
         loss, lse, lse_lo = launch.forward(h, w, b, t, o)
         ones, zeros = torch.ones(37, device=DEVICE), torch.zeros(37, device=DEVICE)
         runs.append((loss, lse, lse_lo) + launch.backward(ones, zeros, h, w, b, t, lse, lse_lo, o, (True, True, True))
-                    + launch.store(h, w, b, t, o, "mean", 16, (True, True, True)))
+                    + launch.store(h, w, b, t, o, "mean", 16, (True, True, True),
+                                   fp32_accumulate=op_fp32_accumulate(h, w, 16, (True, True, True))))
     for x, y in zip(*runs):
         assert torch.equal(x, y)
 
@@ -310,7 +318,7 @@ def test_empty_rows():
     assert loss.shape == lse.shape == lse_lo.shape == (0,)
     gh, gw, gb = launch.backward(loss, lse, h, w, b, t, lse, lse_lo, LossOptions(), (True, True, True))
     assert gh.shape == (0, 24) and torch.equal(gw, torch.zeros_like(w)) and torch.equal(gb, torch.zeros_like(b))
-    total, gh, gw, gb = launch.store(h, w, b, t, LossOptions(), "sum", 0, (True, True, True))
+    total, gh, gw, gb = launch.store(h, w, b, t, LossOptions(), "sum", 0, (True, True, True), fp32_accumulate=False)
     assert total.item() == 0 and gh.shape == (0, 24) and torch.equal(gw, torch.zeros_like(w))
     assert torch.equal(gb, torch.zeros_like(b))
 
@@ -350,7 +358,7 @@ def test_a_large_common_logit_keeps_the_loss():
     want_gw[[0, 3, 7]] -= 1
     torch.testing.assert_close(gw, want_gw, rtol=1e-6, atol=0)
     torch.testing.assert_close(gh, torch.zeros_like(gh), rtol=0, atol=1e-6 * 2**24)
-    total, _, gw_store, _ = launch.store(h, w, None, t, o, "sum", 0, (True, True, False))
+    total, _, gw_store, _ = launch.store(h, w, None, t, o, "sum", 0, (True, True, False), fp32_accumulate=False)
     torch.testing.assert_close(total, torch.tensor(3 * math.log(8), device=DEVICE), rtol=1e-6, atol=0)
     torch.testing.assert_close(gw_store, want_gw, rtol=1e-6, atol=0)
 
@@ -558,7 +566,8 @@ def test_store_compiles_with_the_triton_backward(monkeypatch):
 def test_store_all_ignored_mean_is_nan_with_zero_gradients():
     h, w, b, t = make_inputs(bias=True, seed=10)
     t[:] = -100
-    loss, gh, gw, gb = launch.store(h, w, b, t, LossOptions(), "mean", 16, (True, True, True))
+    loss, gh, gw, gb = launch.store(h, w, b, t, LossOptions(), "mean", 16, (True, True, True),
+                                    fp32_accumulate=op_fp32_accumulate(h, w, 16, (True, True, True)))
     assert torch.isnan(loss)
     assert not gh.any() and not gw.any() and not gb.any()
 
@@ -791,7 +800,9 @@ def test_write_logits_is_the_lm_head_output(kind, bias, dtype):
     else:
         chunk = 16 if kind == "store_chunks" else 0
         args = (h, w, b, t, o, "mean", chunk, (True, True, bias))
-        with_logits, without = launch.store(*args, logits=logits), launch.store(*args)
+        acc = op_fp32_accumulate(h, w, chunk, args[-1])
+        with_logits = launch.store(*args, fp32_accumulate=acc, logits=logits)
+        without = launch.store(*args, fp32_accumulate=acc)
     for a, c in zip(with_logits, without):
         assert torch.equal(a, c)
     # one rounding of the fp32 sum to the output dtype (the interpreter truncates: up to one ulp more)

@@ -166,6 +166,13 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
             return Decline(None, site.loss, ESCAPE_REASON, logits_escape=True)
         names = ", ".join(sorted({u.name for u in escapes}))
         reason = f"the logits have other users ({names}); options={{'xent.allow_escaping_logits': True}} fuses anyway"
+        stacks = [u for u in escapes if is_call(u, (torch.stack,))]
+        if stacks:  # stacked heads whose stack is read whole (returned, e.g. MusicGen's lm_logits.reshape)
+            returned = any(_reaches_output(u) for u in stacks)
+            reason = (f"the stacked heads' logits ({', '.join(u.name for u in stacks)} = torch.stack of several "
+                      "lm_heads) are read whole, not one head each"
+                      + (" (they are returned by the compiled function: return only the loss, or compile a "
+                         "function that does, to fuse each head)" if returned else f" ({reason})"))
     if not reason and hoist is None:
         reason = "the targets are computed after a logsumexp of the logits"
     last = max([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
@@ -206,6 +213,19 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
                            "views and scales"
             returned.append(r)
     return returned, None
+
+
+def _reaches_output(node: Node, limit: int = 64) -> bool:
+    """True when the graph's output reads ``node`` or what it computes (a bounded search)."""
+    seen, frontier = set(), [node]
+    while frontier and len(seen) < limit:
+        n = frontier.pop()
+        if n.op == "output":
+            return True
+        if n not in seen:
+            seen.add(n)
+            frontier.extend(n.users)
+    return False
 
 
 def _stack_reads(stack: Node, n: Node, read: dict) -> Optional[list]:
