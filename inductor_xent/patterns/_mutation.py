@@ -107,7 +107,7 @@ def swaps_storage(node: Node) -> bool:
 
 
 def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users, hoisted) -> Optional[str]:
-    """A reason when a write could change what the rewrite of ``heads`` (LossSites over ``chain``;
+    """A reason when a write could change what the rewrite of ``heads`` (Heads over ``chain``;
     ``logits``: every node holding the logits or what the heads derive from them) computes.
 
     The op reads the hidden states, weight, bias and targets where it is placed (before the heads
