@@ -1,6 +1,7 @@
 """The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
 (other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``STORE_SCALE``, ``STORE_SCALE_``,
-``LOGPROB_FORWARD`` and ``LOGPROB_BACKWARD``).
+``LOGPROB_FORWARD``, ``LOGPROB_BACKWARD``, and ``DISTILL_FORWARD`` / ``DISTILL_BACKWARD``, the
+two-lm_head distillation ops that ``distill.py`` defines next to their chunked implementation).
 
 Strategy ``recompute`` (strategy.py):
 
@@ -506,3 +507,9 @@ STORE_SCALE = torch.ops.inductor_xent.store_scale.default
 STORE_SCALE_ = torch.ops.inductor_xent.store_scale_.default
 LOGPROB_FORWARD = torch.ops.inductor_xent.linear_logprob_fwd.default
 LOGPROB_BACKWARD = torch.ops.inductor_xent.linear_logprob_bwd.default
+
+# the distillation ops (two lm_heads): defined with their implementation in distill.py
+from . import distill  # noqa: E402, F401 - registers them
+
+DISTILL_FORWARD = torch.ops.inductor_xent.linear_distill_fwd.default
+DISTILL_BACKWARD = torch.ops.inductor_xent.linear_distill_bwd.default

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .. import distill  # noqa: F401 - registers inductor_xent::linear_distill_fwd
+from .. import ops
 from . import _logits, _report
 from ._fx import Emitter, arg, is_call, norm_dim, same, tval
 from ._site import Decline, log_probs_of, probs_of
@@ -185,7 +185,7 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
     needs = [bool(t is not None and tval(t).requires_grad) for t in (hs, ws, bs, ht, wt, bt)]
     reduce = f["reduce"]
     op_reduction = "none" if reduce == "none" else "sum"
-    out = e.call(torch.ops.inductor_xent.linear_distill_fwd.default, hs, ws, bs, ht, wt, bt, None, -100,
+    out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, None, -100,
                  "forward_kl", 0.5, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
     value = e.getitem(out, 0)
     if reduce == "none":
