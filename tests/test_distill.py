@@ -195,3 +195,16 @@ def test_declines_say_why():
     for fn, words in ((softcapped, "softcapped"), (other_user, "other users")):
         report = inductor_xent.explain(fn, **ins)
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
+
+
+def test_write_between_the_heads_and_the_loss_declines():
+    """``s.div_(T)`` after the lm_head: the op would read the heads' inputs at the loss, past the write."""
+    def fn(hs, ws, ht, wt, **_):
+        s = F.linear(hs, ws)
+        s.div_(2.0)
+        return F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+
+    ins = _inputs()
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == 0, str(report)
+    assert any("writes" in s.reason for s in report.sites if s.pattern == "distillation"), str(report)

@@ -394,3 +394,28 @@ def test_spelling_fuses_under_autocast_within_torch_error(name):
     assert set(ours_g) == set(same_g)
     for k in same_g:
         assert_within_torch_error(ours_g[k], same_g[k], exact_g[k], what=f"{name} grad {k}")
+
+
+def test_temperature_written_after_its_use_declines():
+    """The op reads the per-row temperature where it is placed (at the loss): a write to it in between
+    would change what it computes, so the site declines (eager divided by the old values)."""
+    def fn(x, W, y, temp, **_):
+        z = F.linear(x, W) / temp.unsqueeze(-1)
+        temp.mul_(2.0)
+        return F.cross_entropy(z.view(-1, V), y.view(-1))
+
+    ins = _inputs()
+    report = inductor_xent.explain(fn, **{k: v.clone() for k, v in ins.items()})
+    assert report.fused_count == 0 and "per-row temperature" in report.sites[0].reason, str(report)
+
+
+def test_add_with_alpha_is_not_a_shift():
+    """``torch.add(z, k, alpha)`` adds ``alpha * k``: not folded as a shift by ``k``."""
+    def fn(x, W, y, **_):
+        z = torch.tanh(torch.add(F.linear(x, W), 5.0, 3.0) / 15.0) * 15.0
+        return F.cross_entropy(z.view(-1, V), y.view(-1))
+
+    ins = make_inputs()
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == 0, str(report)
+    torch.testing.assert_close(torch.compile(fn, backend="inductor_xent")(**ins), fn(**ins))

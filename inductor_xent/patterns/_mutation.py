@@ -126,6 +126,11 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     aux = [n for h in heads for n in h.aux]
     reads = {chain.hidden: "the hidden states", chain.weight: "the weight", chain.bias: "the bias",
              **dict.fromkeys(targets, "the targets")}
+    # a per-row temperature multiplies the hidden states where the op is placed (eager: at its division)
+    for _, op in chain.shape_ops:
+        factor = getattr(op, "factor", None)
+        if isinstance(factor, Node):
+            reads.setdefault(factor, "the per-row temperature")
     for n in logits:
         reads.setdefault(n, "the logits")
     # one_hot(y) and its casts; target computations moved up, and what they are computed from

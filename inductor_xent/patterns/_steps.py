@@ -479,8 +479,8 @@ def _sub(node: Node, out: torch.Tensor) -> Optional[Step]:
 @matches(operator.add, torch.add, "add")
 def _add(node: Node, out: torch.Tensor) -> Optional[Step]:
     """``z + b`` with ``b`` a ``[V]`` tensor (Bias), or ``z + k`` with ``k`` a Python number (Shift);
-    either operand order."""
-    if node.kwargs or len(node.args) < 2:
+    either operand order; not with an ``alpha``."""
+    if node.kwargs or len(node.args) != 2:
         return None
     a, b = arg(node, 0, "input"), arg(node, 1, "other")
     for src, k in ((a, b), (b, a)):

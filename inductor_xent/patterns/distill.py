@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from .. import ops
-from . import _logits, _report
+from . import _logits, _mutation, _report
 from ._fx import Emitter, arg, is_call, norm_dim, same, tval
 from ._site import Decline, log_probs_of, probs_of
 
@@ -147,6 +147,12 @@ def _check(f: dict) -> Optional[str]:
     devices = {tval(n).device for n in (q.hidden, q.weight, p.hidden, p.weight)}
     if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
         return f"unsupported device(s) {sorted(map(str, devices))}"
+    # the op reads both heads' inputs at the loss: no write between the first matmul and the loss
+    order = {n: i for i, n in enumerate(f["out"].graph.nodes)}
+    lo, hi = min(order[q.matmul], order[p.matmul]), order[f["out"]]
+    written = next((n for n in f["out"].graph.nodes if lo < order[n] < hi and _mutation.writes(n)), None)
+    if written is not None:
+        return f"{_mutation.spelling(written)} writes a tensor between the lm_head matmuls and the loss"
     mine = set(f["nodes"]) | set(q.nodes) | set(p.nodes)
     others = sorted({u.name for n in mine if n is not f["out"] for u in n.users if u not in mine})
     if others:
