@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config, strategy
+from . import config, options, strategy
+from .options import compute_dtype
 
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
 # the ops' outputs (torch.library infers schemas from these annotations: no tuple[Tensor, ...])
@@ -94,7 +95,7 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
                 scale_s: float, scale_t: float, grad_s: bool, grad_t: bool):
     """One chunk's rows (0 where not ``valid``) and the gradients with respect to the two heads'
     logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``."""
-    work = torch.float64 if zs.dtype == torch.float64 else torch.float32
+    work = compute_dtype(zs.dtype)
     rows, du_s, du_t = _rows(kind, beta, zs.to(work) * scale_s, zt.to(work) * scale_t, grad_s, grad_t)
     if valid is not None:
         rows = torch.where(valid, rows, 0.0)
@@ -133,7 +134,7 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     """The loss rows and, when ``row_grad`` (the incoming gradient of each row) is given, the
     gradients ``needs`` asks for (hs, ws, bs, ht, wt, bt)."""
     n, v = hs.shape[0], ws.shape[0]
-    work = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
     step = chunk_rows(n, v, hs.device)
     grads = [None] * 6
@@ -169,16 +170,21 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     return rows_out, grads
 
 
-def _reduce(rows: Tensor, target: Optional[Tensor], ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
-    """(the reduced loss, the gradient of it with respect to each row)."""
-    n = rows.shape[0]
-    if reduction == "sum":
-        factor = torch.ones((), device=rows.device, dtype=rows.dtype)
-    elif reduction == "batchmean" or target is None:
-        factor = torch.full((), 1.0 / max(n, 1), device=rows.device, dtype=rows.dtype)
-    else:  # mean over the rows not ignored (NaN when there are none, as F.cross_entropy)
-        factor = 1.0 / (target != ignore_index).sum().to(rows.dtype)
-    return rows.sum() * factor, factor.expand(n)
+def _valid(target: Optional[Tensor], ignore_index: int, n: int, device) -> Tensor:
+    return torch.ones(n, dtype=torch.bool, device=device) if target is None else target != ignore_index
+
+
+def _row_weights(valid: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
+    """d(reduced loss) / d(row): ``options.reduction_weights``, and 1 / N on every row for ``batchmean``."""
+    if reduction == "batchmean":
+        return torch.full(valid.shape, 1.0 / max(valid.shape[0], 1), dtype=dtype, device=valid.device)
+    return options.reduction_weights(valid, reduction, dtype)
+
+
+def _reduced(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
+    if reduction == "batchmean":
+        return rows.sum() / max(rows.shape[0], 1)
+    return options.reduced(rows.sum(), valid, reduction)
 
 
 def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
@@ -192,17 +198,17 @@ def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor,
     if reduction == "none":
         rows, _ = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, None, needs)
         return (rows, *(_empty(t, hs) for t in (hs, ws, bs, ht, wt, bt)))
-    # the reduced loss: the gradient of each row is the reduction's factor, known now
-    probe = hs.new_zeros(hs.shape[0], dtype=torch.float64 if hs.dtype == torch.float64 else torch.float32)
-    _, row_grad = _reduce(probe, target, ignore_index, reduction)
+    # the reduced loss: the gradient of each row is known now
+    valid = _valid(target, ignore_index, hs.shape[0], hs.device)
+    row_grad = _row_weights(valid, reduction, compute_dtype(hs.dtype))
     rows, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad, needs)
-    loss, _ = _reduce(rows, target, ignore_index, reduction)
+    loss = _reduced(rows, valid, reduction)
     return (loss, *(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt))))
 
 
 @linear_distill_fwd.register_fake
 def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs):
-    dt = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(hs.dtype)
     loss = hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt)
     grads = [t.new_empty(t.shape) if (need and t is not None and reduction != "none") else
              (t if t is not None else hs).new_empty(0) for t, need in zip((hs, ws, bs, ht, wt, bt), needs)]
@@ -214,7 +220,7 @@ def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[T
                        bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str, beta: float,
                        scale_s: float, scale_t: float, needs: list[bool]) -> Out6:
     _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
-                       grad_rows.to(torch.float64 if hs.dtype == torch.float64 else torch.float32), needs)
+                       grad_rows.to(compute_dtype(hs.dtype)), needs)
     return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
 
 
