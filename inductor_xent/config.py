@@ -137,3 +137,11 @@ def nested_graph_breaks() -> bool:
     ``torch._dynamo.config.nested_graph_breaks = True``, restored when the call returns
     (``dynamo_tuning.DynamoScope``); ``0`` leaves Dynamo's option as it is."""
     return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", True)
+
+
+def skip_ignored_rows() -> bool:
+    """``INDUCTOR_XENT_SKIP_IGNORED``: ``1`` (default) lets the kernels skip the rows whose outputs
+    are known to be zero (a cross-entropy's ``ignore_index`` rows): the valid rows are moved first on
+    the device and every GEMM stops at their count (templates/rows.py); ``0`` computes every row
+    (the A/B switch of ``bench kernels --ignored``)."""
+    return _switch("INDUCTOR_XENT_SKIP_IGNORED", True)

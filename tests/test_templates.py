@@ -786,10 +786,12 @@ WRITE_CASES = [("forward", True, torch.float32), ("forward", False, torch.bfloat
 
 
 @pytest.mark.parametrize("kind, bias, dtype", WRITE_CASES)
-def test_write_logits_is_the_lm_head_output(kind, bias, dtype):
+def test_write_logits_is_the_lm_head_output(kind, bias, dtype, monkeypatch):
     """Both forward kernels write hidden @ W.T + b rounded once to the input dtype, every row and
     column (unaligned V, a partial last row block, three store chunks), and compute the same loss
-    as without writing (the epilogue is otherwise unchanged)."""
+    as without writing (the epilogue is otherwise unchanged). Returned logits need every row, so
+    store does not skip the ignored ones then: the comparison is with skipping off."""
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
     h, w, b, t = make_inputs(n=37, d=16, v=67, dtype=dtype, bias=bias, seed=11)
     o = LossOptions(softcap=4.0, logit_scale=0.5)
     exact = F.linear(h.double(), w.double(), None if b is None else b.double())
@@ -809,3 +811,57 @@ def test_write_logits_is_the_lm_head_output(kind, bias, dtype):
     ulp = torch.finfo(dtype).eps * (1.0 if CUDA else 2.0)
     err = ((logits.double() - exact).abs() / exact.abs().clamp_min(1.0)).max().item()
     assert err <= ulp + (1e-6 if dtype == torch.float32 else 0.0), err
+
+
+# ---------------------------------------------------------------------------------------------
+# ignored rows: store moves the valid rows first and its kernels stop at their count (rows.py)
+# ---------------------------------------------------------------------------------------------
+# (pattern, chunk_rows): no row ignored; every row; a prompt-like prefix per "sequence" (two chunks,
+# the second with fewer valid rows than a block); scattered padding over three chunks, one all-ignored
+SKIP_CASES = [("none", 0), ("all", 16), ("prefix", 32), ("scattered", 16)]
+
+
+def _ignore(t, pattern):
+    n = t.shape[0]
+    if pattern == "all":
+        t[:] = -100
+    elif pattern == "prefix":  # two "sequences" of n/2 rows, the first 60 % of each a prompt
+        for s in range(2):
+            t[s * n // 2: s * n // 2 + int(0.6 * n / 2)] = -100
+    elif pattern == "scattered":
+        t[torch.arange(n, device=t.device) % 3 != 1] = -100
+        t[16:32] = -100  # with the valid rows moved first, the last chunk holds none
+    return t
+
+
+@pytest.mark.parametrize("pattern, chunk", SKIP_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_skips_ignored_rows(pattern, chunk, dtype):
+    """The compacted store against the oracle, with a bias and a [D, V] weight passed transposed
+    (rows_mm's pointer path, a transposed grad_weight), and the ignored rows' grad_hidden exactly 0."""
+    h, w, b, t = make_inputs(n=48, dtype=dtype, bias=True, seed=21, transposed_weight=pattern == "prefix")
+    t = _ignore(t, pattern)
+    _, (gh, _, _) = check_store(h, w, b, t, LossOptions(z_loss=1e-3), reduction="mean", chunk_rows=chunk)
+    assert torch.equal(gh[t == -100], torch.zeros_like(gh[t == -100]))
+
+
+def test_store_never_reads_ignored_rows(monkeypatch):
+    """With the valid count a multiple of the row block, nothing reads an ignored row: NaN there
+    leaves the loss and every gradient finite and equal to those of the valid rows alone. Computing
+    every row (INDUCTOR_XENT_SKIP_IGNORED=0) spreads the NaN into grad_weight: this test fails if
+    the rows are not skipped."""
+    block = 128 if CUDA else 16  # rows_mm's and the store forward's row block
+    n = 3 * block
+    h, w, b, t = make_inputs(n=n, bias=True, seed=22)
+    t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(23)).to(t.device)
+    t[torch.arange(n, device=t.device) % 3 == 0] = -100  # two blocks of valid rows
+    h = h.clone()
+    h[t == -100] = float("nan")
+    args = (w, b, t, LossOptions(), "sum", block, (True, True, True))
+    loss, gh, gw, gb = launch.store(h, *args, fp32_accumulate=False)
+    keep = t != -100
+    loss_v, gh_v, gw_v, gb_v = launch.store(h[keep], w, b, t[keep], *args[3:], fp32_accumulate=False)
+    assert torch.equal(loss, loss_v) and torch.equal(gw, gw_v) and torch.equal(gb, gb_v)
+    assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert launch.store(h, *args, fp32_accumulate=False)[2].isnan().any()

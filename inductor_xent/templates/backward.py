@@ -50,7 +50,7 @@ from .configs import KernelConfig
 def lce_dlogits_kernel(
     # pointers
     hidden_ptr, weight_ptr, bias_ptr, target_ptr, lse_ptr, lse_lo_ptr, grad_loss_ptr, grad_lse_ptr,
-    grad_ent_ptr, ent_ptr, dz_ptr, dbias_ptr,
+    grad_ent_ptr, ent_ptr, dz_ptr, dbias_ptr, count_ptr,
     # sizes: this chunk is columns [v_start, v_start + chunk) of the V-column vocabulary
     N, V, D, v_start, chunk,
     # strides
@@ -62,14 +62,19 @@ def lce_dlogits_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr,
-    HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_C: tl.constexpr,
+    HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_C: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
     """The [BLOCK_M, BLOCK_N] tiles of dz for the chunk, NUM_PROGRAMS programs walking them in
     grouped order (persistent: one program per SM; with TMA operands the tile loop and the D loop
     are flattened into one pipelined loop, so the next tile's copies overlap this tile's epilogue,
     as in store.lce_store_fwd_kernel); each tile's column sums into dbias[pid_m]. With USE_TMA,
-    hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel)."""
-    num_pid_m = cdiv(N, BLOCK_M)
+    hidden_ptr and weight_ptr are TMA descriptors (see lce_fwd_kernel). With HAS_COUNT only the row
+    blocks holding the first count[0] rows (the live rows, moved first: rows.py), and dz is 0 on the
+    rows past the count in the last of them (rows.rows_mm_kernel's K loop reads those)."""
+    n_live = N
+    if HAS_COUNT:
+        n_live = tl.minimum(tl.load(count_ptr), N)
+    num_pid_m = cdiv(n_live, BLOCK_M)
     num_pid_n = cdiv(chunk, BLOCK_N)
     tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's tile counter (store.lce_store_fwd_kernel)
     for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=USE_TMA):
@@ -118,6 +123,8 @@ def lce_dlogits_kernel(
             dz *= sech2
         if HAS_SCALE:
             dz *= logit_scale
+        if HAS_COUNT:
+            dz = tl.where((offs_m < n_live)[:, None], dz, 0.0)
         out = dz_ptr + rows[:, None] * stride_dz_n + offs_c[None, :]
         if EVEN_M and EVEN_C:  # every row and column of every tile is live
             tl.store(out, dz.to(dz_ptr.dtype.element_ty))

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from .. import config
 from ..options import KERNEL_DTYPES, LossOptions, reduced, reduction_weights
-from . import configs
+from . import configs, rows
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
@@ -160,12 +160,13 @@ def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
 
 
 def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
-                  entropy=None, argmax=None, logits=None):
+                  entropy=None, argmax=None, logits=None, count=None):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
     with ``e`` (the store forward, store.lce_store_fwd_kernel: one split per tile) also the
     exp-logit tiles, and ``st`` the target's sech² under a softcap; with ``entropy`` / ``argmax``
-    those of every row; with ``logits`` the raw logit tiles (acc + bias, in its dtype). Returns the
-    partials (their plane 0 holds each split's row max)."""
+    those of every row; with ``logits`` the raw logit tiles (acc + bias, in its dtype); with
+    ``count`` (store only; a (1,) int32 device tensor) only the row blocks holding the first count
+    rows (rows.py). Returns the partials (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -182,7 +183,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     if e is not None:
         programs = min(_num_sms(dev), triton.cdiv(n, cfg.block_m) * splits)
         lce_store_fwd_kernel[(programs,)](
-            h_op, w_op, bias, target, part, e, logits,
+            h_op, w_op, bias, target, part, e, logits, count,
             n, v, d, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), e.stride(0),
             0 if logits is None else logits.stride(0),
             logit_scale, softcap,
@@ -192,7 +193,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
             NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
             NUM_PROGRAMS=programs, FLATTEN=use_tma,  # pointer loads in a flattened loop: 2x slower (NOTES.md)
             HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_V=v % cfg.block_n == 0,
-            WRITE_LOGITS=logits is not None,
+            WRITE_LOGITS=logits is not None, HAS_COUNT=count is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
@@ -288,6 +289,20 @@ def backward(
         acc = torch.zeros((n, d), dtype=torch.float32, device=hidden.device) if fp32_acc else grad_h.zero_()
     logit_scale, softcap = _options(opts)
     acc_cfg = configs.acc_mm_config(hidden.dtype)
+    # rows.py: the rows with an incoming gradient first (the others' dz is exactly 0: an ignored row
+    # with no lse or entropy term), and the dlogits kernel and both GEMMs stop at their count
+    skip = config.skip_ignored_rows()
+    if skip:
+        valid = target != opts.ignore_index
+        live = (valid & (grad_loss != 0)) | (grad_lse != 0)
+        if has_entropy:
+            live |= valid & (grad_entropy != 0)
+        order, count = rows.compact(live)
+        hidden, target, lse, lse_lo, grad_loss, grad_lse = (
+            t.index_select(0, order) for t in (hidden, target, lse, lse_lo, grad_loss, grad_lse))
+        if has_entropy:
+            grad_entropy, entropy = grad_entropy.index_select(0, order), entropy.index_select(0, order)
+        mm_cfg = rows.mm_config(hidden.dtype)
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
 
@@ -296,8 +311,11 @@ def backward(
         dz = dz_buf[:, :cols]
         tiles = num_m * triton.cdiv(cols, cfg.block_n)
         programs = min(tiles, _num_sms(hidden.device)) if DLOGITS_PERSISTENT else tiles
+        if skip and need_b:
+            dbias.zero_()  # the row blocks past the count are not visited
         lce_dlogits_kernel[(programs,)](
             h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias,
+            count if skip else None,
             n, v, d, v0, cols,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             dz.stride(0), dbias.stride(0),
@@ -308,13 +326,22 @@ def backward(
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
             DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, NUM_PROGRAMS=programs,
             HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_C=cols % cfg.block_n == 0,
+            HAS_COUNT=skip,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         dz = dz.to(hidden.dtype)
-        if need_w:
-            grad_weight_chunk(grad_w[v0:v0 + cols], dz, hidden)
-        if need_h:
-            accumulate_grad_hidden(acc, dz, weight[v0:v0 + cols], acc_cfg, precision)
+        if skip:
+            if need_w:
+                rows.rows_mm(grad_w[v0:v0 + cols], dz, hidden, count, bound="k", trans_a=True,
+                             input_precision=precision, cfg=mm_cfg)
+            if need_h:
+                rows.rows_mm(acc, dz, weight[v0:v0 + cols], count, out_rows=order, bound="m", accumulate=True,
+                             input_precision=precision, cfg=mm_cfg)
+        else:
+            if need_w:
+                grad_weight_chunk(grad_w[v0:v0 + cols], dz, hidden)
+            if need_h:
+                accumulate_grad_hidden(acc, dz, weight[v0:v0 + cols], acc_cfg, precision)
         if need_b:
             grad_b[v0:v0 + cols] = dbias[:, :cols].sum(dim=0)
     if fp32_acc:
@@ -421,34 +448,54 @@ def store(
                         device=dev)
     acc_cfg = configs.acc_mm_config(hidden.dtype)
     precision = _input_precision(hidden.dtype)
+    # rows.py: the valid rows first and each chunk's count of them on the device; every kernel and
+    # both GEMMs stop there (not with logits to return: those need every row)
+    skip = logits is None and config.skip_ignored_rows()
+    if skip:
+        order, count = rows.compact(valid)
+        hidden, target, g = (t.index_select(0, order) for t in (hidden, target, g))
+        counts = (count - torch.arange(0, n, chunk, device=dev, dtype=torch.int32)).clamp_(0, chunk)
+        if need_h:
+            grad_h.zero_()  # the ignored rows' gradient; the valid rows are written through `order`
+        mm_cfg = rows.mm_config(hidden.dtype)
 
     for i, r0 in enumerate(range(0, n, chunk)):
-        rows = slice(r0, min(n, r0 + chunk))
-        m = rows.stop - rows.start
-        h_c, t_c = hidden[rows], target[rows]
+        sl = slice(r0, min(n, r0 + chunk))
+        m = sl.stop - sl.start
+        h_c, t_c = hidden[sl], target[sl]
+        cnt = counts[i:i + 1] if skip else None
         e = e_buf[:m]
         part = _forward_pass(h_c, weight, bias, t_c, opts, cfg, num_tiles, 1,
-                             (rows_loss[rows], lse[rows], lse_lo[rows]), e=e, st=st[rows] if need_st else None,
-                             logits=None if logits is None else logits[rows])
+                             (rows_loss[sl], lse[sl], lse_lo[sl]), e=e, st=st[sl] if need_st else None,
+                             logits=None if logits is None else logits[sl], count=cnt)
         dz = e.view(dz_dtype) if dz_dtype.itemsize == e_dtype.itemsize else e
         lce_store_dz_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
-            e, dz, part, t_c, lse[rows], lse_lo[rows], st[rows] if need_st else None, g[rows], dbias,
+            e, dz, part, t_c, lse[sl], lse_lo[sl], st[sl] if need_st else None, g[sl], dbias, cnt,
             m, v,
             e.stride(0), dz.stride(0), dbias.stride(0),
             int(opts.ignore_index), *_smoothing_coefs(opts, v), float(opts.label_smoothing), float(opts.logit_scale),
             float(opts.z_loss),
             HAS_SOFTCAP=need_st, NEED_DBIAS=need_b,
             BLOCK_M=dz_cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=dz_cfg.group_m,
+            HAS_COUNT=skip, COUNT_ALIGN=mm_cfg.block_k if skip else 1,
             num_warps=dz_cfg.num_warps,
         )
         dz = dz.to(hidden.dtype)
-        if need_h:
-            _mm_into(grad_h[rows], dz, weight, accumulate=False)
-        if need_w:
-            if fp32_acc:
-                accumulate_grad_hidden(acc_w, dz.t(), h_c, acc_cfg, precision)
-            else:
-                _mm_into(grad_w, dz.t(), h_c, accumulate=i > 0)
+        if skip:
+            if need_h:
+                rows.rows_mm(grad_h, dz, weight, cnt, out_rows=order[sl], bound="m", input_precision=precision,
+                             cfg=mm_cfg)
+            if need_w:
+                rows.rows_mm(acc_w if fp32_acc else grad_w, dz, h_c, cnt, bound="k", trans_a=True, accumulate=i > 0,
+                             input_precision=precision, cfg=mm_cfg)
+        else:
+            if need_h:
+                _mm_into(grad_h[sl], dz, weight, accumulate=False)
+            if need_w:
+                if fp32_acc:
+                    accumulate_grad_hidden(acc_w, dz.t(), h_c, acc_cfg, precision)
+                else:
+                    _mm_into(grad_w, dz.t(), h_c, accumulate=i > 0)
         if need_b:
             grad_b += dbias[: triton.cdiv(m, dz_cfg.block_m)].sum(dim=0)
     if fp32_acc:

@@ -47,7 +47,7 @@ from .common import (
 def lce_store_fwd_kernel(
     # pointers (with USE_TMA, hidden_ptr and weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K]
     # and [BLOCK_N, BLOCK_K] blocks)
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, logits_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, e_ptr, logits_ptr, count_ptr,
     # sizes
     N, V, D,
     # strides
@@ -60,6 +60,7 @@ def lce_store_fwd_kernel(
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
     HAS_SCALE: tl.constexpr, EVEN_M: tl.constexpr, EVEN_V: tl.constexpr, WRITE_LOGITS: tl.constexpr,
+    HAS_COUNT: tl.constexpr,
 ):
     """The store strategy's forward, a persistent kernel: NUM_PROGRAMS programs (one per SM) walk
     the (row block, vocabulary tile) grid in grouped order; each tile's partials m, s, zt[, sz][, st]
@@ -70,9 +71,12 @@ def lce_store_fwd_kernel(
     E store) runs. H200 (bf16, one 4096-row chunk, medians of 5 interleaved rounds): 128x256 tiles
     6.76 ms at llama3-8b and 8.19 at gemma2-2b against 7.24 / 8.76 for one program per 256x128
     tile (the kernel this one replaced), 7.03 / 8.70 for one per 128x256 tile (benchmarks/NOTES.md)."""
-    num_pid_m = cdiv(N, BLOCK_M)
     num_tiles = cdiv(V, BLOCK_N)
     plane = num_tiles * N
+    if HAS_COUNT:
+        num_pid_m = cdiv(tl.minimum(tl.load(count_ptr), N), BLOCK_M)
+    else:
+        num_pid_m = cdiv(N, BLOCK_M)
     # the epilogue's own tile counter: with FLATTEN the pipeliner moves the loads of the next tile
     # ahead of this tile's epilogue, so the epilogue must not read the loop's induction variable
     tile_c = tl.program_id(0) - NUM_PROGRAMS
@@ -122,7 +126,7 @@ def lce_store_fwd_kernel(
 @triton.jit
 def lce_store_dz_kernel(
     # pointers: e (input, [N, V] exp-logits) and dz (output, the same memory in the input dtype)
-    e_ptr, dz_ptr, part_ptr, target_ptr, lse_ptr, lse_lo_ptr, st_ptr, grad_ptr, dbias_ptr,
+    e_ptr, dz_ptr, part_ptr, target_ptr, lse_ptr, lse_lo_ptr, st_ptr, grad_ptr, dbias_ptr, count_ptr,
     # sizes
     N, V,
     # strides
@@ -132,15 +136,28 @@ def lce_store_dz_kernel(
     # meta-parameters
     HAS_SOFTCAP: tl.constexpr, NEED_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr,
+    HAS_COUNT: tl.constexpr, COUNT_ALIGN: tl.constexpr,
 ):
-    """One [BLOCK_M, BLOCK_N] tile; BLOCK_N is the forward's tile, so the tile's max is part[0]."""
+    """One [BLOCK_M, BLOCK_N] tile; BLOCK_N is the forward's tile, so the tile's max is part[0].
+    With HAS_COUNT only the first count[0] rows are live: blocks past roundup(count, COUNT_ALIGN)
+    do nothing (their dbias row is zeroed), and the rows in [count, roundup) are written as zeros,
+    which rows.rows_mm_kernel's K loop reads (COUNT_ALIGN: its K step, at most the forward's row block)."""
     num_tiles = cdiv(V, BLOCK_N)
     pid_m, pid_n = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), num_tiles, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = offs_m < N
-    rows = tl.minimum(offs_m, N - 1).to(tl.int64)
     offs_v = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = offs_v < V
+    row_mask = offs_m < N
+    n_live = N
+    if HAS_COUNT:
+        count = tl.minimum(tl.load(count_ptr), N)
+        if pid_m * BLOCK_M >= cdiv(count, COUNT_ALIGN) * COUNT_ALIGN:
+            if NEED_DBIAS:
+                tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_v, tl.full((BLOCK_N,), 0.0, tl.float32),
+                         mask=col_mask)
+            return
+        n_live = count
+    rows = tl.minimum(offs_m, N - 1).to(tl.int64)
     live = row_mask[:, None] & col_mask[None, :]
 
     tgt = tl.load(target_ptr + rows)
@@ -161,7 +178,7 @@ def lce_store_dz_kernel(
         oh = tl.where(hit, hit_coef, rest_coef)
         oh = tl.where(valid[:, None], oh, 0.0)
     dz = ((g + c)[:, None] * (e * r[:, None] - oh) + c[:, None] * oh) * logit_scale
-    dz = tl.where(live, dz, 0.0)
+    dz = tl.where(live & (offs_m < n_live)[:, None], dz, 0.0)
     tl.store(dz_ptr + rows[:, None] * stride_dz_n + offs_v[None, :], dz.to(dz_ptr.dtype.element_ty), mask=live)
     if NEED_DBIAS:
         tl.store(dbias_ptr + pid_m.to(tl.int64) * stride_db_m + offs_v, tl.reduce(dz, 0, add_combine),
