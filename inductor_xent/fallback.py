@@ -139,24 +139,42 @@ def _dlogits_(z: Tensor, x: Optional[Tensor], lse: Tensor, lse_lo: Tensor, t: Te
 Grads = tuple[Tensor, Tensor, Tensor]  # (grad_hidden, grad_weight, grad_bias)
 
 
-def _grad_buffers(hidden: Tensor, weight: Tensor, cd: torch.dtype, needs: tuple[bool, bool, bool]) -> Grads:
-    """(grad_hidden in hidden's dtype, written one row chunk at a time; the grad_weight and grad_bias
-    accumulators in the compute dtype, rounded once by ``_rounded``); an empty (0,) for each one not
-    in ``needs``."""
+def _live_rows(live: Tensor) -> Optional[Tensor]:
+    """The indices of the rows that ``live`` marks, where they are fewer than all rows and reading
+    them costs no host sync (CPU tensors): the other rows' loss and gradients are exactly 0, so
+    their logits are never computed (``config.skip_ignored_rows``). None: walk every row."""
+    if not config.skip_ignored_rows() or live.device.type != "cpu" or is_fake(live):
+        return None
+    idx = live.nonzero().squeeze(1)
+    return None if idx.numel() == live.numel() else idx
+
+
+def _row_chunks(n: int, step: int, live: Optional[Tensor]) -> list:
+    """The row chunks to walk: slices of all ``n`` rows, or chunks of the row indices ``live``."""
+    if live is None:
+        return [slice(start, start + step) for start in range(0, n, step)]
+    return [live[start:start + step] for start in range(0, live.numel(), step)]
+
+
+def _grad_buffers(hidden: Tensor, weight: Tensor, cd: torch.dtype, needs: tuple[bool, bool, bool],
+                  skipped: bool = False) -> Grads:
+    """(grad_hidden in hidden's dtype, written one row chunk at a time (zeros first where rows are
+    ``skipped``); the grad_weight and grad_bias accumulators in the compute dtype, rounded once by
+    ``_rounded``); an empty (0,) for each one not in ``needs``."""
     need_h, need_w, need_b = needs
-    return (torch.empty((hidden.shape[0], hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype,
-                        device=hidden.device),
+    return ((torch.zeros if skipped else torch.empty)(
+                (hidden.shape[0], hidden.shape[1]) if need_h else (0,), dtype=hidden.dtype, device=hidden.device),
             torch.zeros(weight.shape if need_w else (0,), dtype=cd, device=weight.device),
             torch.zeros((weight.shape[0],) if need_b else (0,), dtype=cd, device=weight.device))
 
 
-def _accumulate_(grads: Grads, needs: tuple[bool, bool, bool], rows: slice, d: Tensor, h: Tensor, w: Tensor) -> None:
+def _accumulate_(grads: Grads, needs: tuple[bool, bool, bool], rows, d: Tensor, h: Tensor, w: Tensor) -> None:
     """One row chunk's share of the gradients, from its dlogits ``d`` (rows, V) and its hidden states
     ``h`` (rows, D), both in the compute dtype like ``w``: dH = d·W, dW += dᵀ·h, db += Σ_rows d."""
     grad_h, grad_w, grad_b = grads
     need_h, need_w, need_b = needs
     if need_h:
-        grad_h[rows] = torch.mm(d, w)
+        grad_h[rows] = torch.mm(d, w).to(grad_h.dtype)
     if need_w:
         grad_w.addmm_(d.t(), h)
     if need_b:
@@ -246,15 +264,15 @@ def backward(
     """Gradients for (hidden, weight, bias); an empty tensor stands for each one not in ``needs``."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
-    grads = _grad_buffers(hidden, weight, cd, needs)
     valid = target != opts.ignore_index
     g = torch.where(valid, grad_loss.to(cd), 0.0)
     c = 2 * opts.z_loss * lse.to(cd) * g + grad_lse.to(cd)
     ent_g = None if grad_entropy is None else torch.where(valid, grad_entropy.to(cd), 0.0)
     ent = None if entropy is None else entropy.to(cd)
-    step = chunk_rows(n, vocab, cd)
-    for start in range(0, n, step):
-        rows = slice(start, start + step)
+    # a row with no incoming gradient (an ignored row without an lse term) has dz = 0 exactly
+    live = _live_rows((g != 0) | (c != 0) | (False if ent_g is None else ent_g != 0))
+    grads = _grad_buffers(hidden, weight, cd, needs, skipped=live is not None)
+    for rows in _row_chunks(n, chunk_rows(n, vocab, cd), live):
         h = hidden[rows].to(cd)
         z, x = _chunk_logits(h, w, b, opts)
         d = _dlogits_(z, x, lse[rows].to(cd), lse_lo[rows].to(cd), target[rows], valid[rows], g[rows], c[rows],
@@ -279,13 +297,12 @@ def store(
     compute dtype (float32 or float64) and are rounded once."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
-    grads = _grad_buffers(hidden, weight, cd, needs)
     valid = target != opts.ignore_index
     g = reduction_weights(valid, reduction, cd)  # d(reduced loss) / d(row loss); 0 on ignored rows
+    live = None if logits is not None else _live_rows(valid)  # returned logits need every row
+    grads = _grad_buffers(hidden, weight, cd, needs, skipped=live is not None)
     total = torch.zeros((), dtype=cd, device=hidden.device)
-    step = chunk_rows(n, vocab, cd)
-    for start in range(0, n, step):
-        rows = slice(start, start + step)
+    for rows in _row_chunks(n, chunk_rows(n, vocab, cd), live):
         h = hidden[rows].to(cd)
         t, ok = target[rows], valid[rows]
         z, x = _chunk_logits(h, w, b, opts, None if logits is None else logits[rows])
