@@ -96,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="directory for bench_e2e.json")
     p.add_argument("--device", default="cuda")
     p.add_argument("--modes", default="loss", help=f"comma-separated, of {', '.join(MODES)} (see above)")
+    p.add_argument("--prompt", type=float, default=1 / 8,
+                   help="fraction of each sequence that is prompt (labels -100); 0.5: an SFT batch, half ignored")
     args = p.parse_args(argv)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -106,7 +108,7 @@ def main(argv=None) -> int:
         print("bench e2e needs a CUDA GPU (torch sees none); use --device cpu for a small smoke run",
               file=sys.stderr)
         return 2
-    shape = dict(demo.CPU_SHAPE if args.device == "cpu" else SHAPE, layers=args.layers)
+    shape = dict(demo.CPU_SHAPE if args.device == "cpu" else SHAPE, layers=args.layers, prompt=args.prompt)
     base_model, loss_of, name = demo.build_model(shape, args.device, use_hf=True)
     results = [run_backend(v, base_model, loss_of, shape, args.device, args.warmup, args.steps, mode)
                for mode in modes for v in (VARIANTS if mode == "loss" else VARIANTS[:2])]
@@ -114,7 +116,8 @@ def main(argv=None) -> int:
     meta = {
         "model": name, "tokens": tokens, "dtype": str(shape["dtype"]), "torch": torch.__version__,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "date": time.strftime("%Y-%m-%d"), "logits_mib": tokens * shape["vocab"] * shape["dtype"].itemsize / 2**20,
+        "date": time.strftime("%Y-%m-%d"), "prompt_fraction": args.prompt,
+        "logits_mib": tokens * shape["vocab"] * shape["dtype"].itemsize / 2**20,
     }
     try:
         import triton
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
         meta["triton"] = triton.__version__
     except ImportError:
         pass
-    print(f"\n{name}, {tokens} tokens, {meta['gpu']}, torch {meta['torch']}, {meta['date']}")
+    print(f"\n{name}, {tokens} tokens ({args.prompt:.0%} of each sequence ignored), {meta['gpu']}, "
+          f"torch {meta['torch']}, {meta['date']}")
     print("| mode | backend | sites fused | step ms (median) | peak MiB during step | step / inductor | MiB saved |")
     print("|---|---|---|---|---|---|---|")
     for mode in modes:

@@ -32,18 +32,19 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import DATA, IGNORE_INDEX, SHAPES, make_data, shape_of  # noqa: E402
+from shapes import DATA, IGNORE_INDEX, IGNORED_LAYOUTS, SHAPES, ignore_rows, make_data, shape_of  # noqa: E402
 
 # ours: the functional API with strategy auto; ours_recompute / ours_store: each strategy forced;
 # ours_compiled: the product path, torch.compile(..., backend="inductor_xent") of the eager spelling
 METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "liger_cute", "liger_cute_scaled", "quack", "cce",
-           "ours", "ours_recompute", "ours_store", "ours_compiled")
+           "ours", "ours_recompute", "ours_store", "ours_compiled", "ours_dense")
 # peers that need the CuTe DSL (nvidia-cutlass-dsl 4.8.1, Hopper only; benchmarks/gpu_run.sh says how its wheels
 # reach the GPU box): Liger-Kernel's SM90 kernels (liger_cute: the gradients in the forward, 6·N·D·V, keeps a
 # chunk of logits; liger_cute_scaled: no logits, the backward recomputes them, 8·N·D·V) and QuACK's chunked
 # linear cross-entropy (its scaled-exp pipeline where eligible: SM90, bf16, V % 128 == 0)
 CUTE_PEERS = ("liger_cute", "liger_cute_scaled", "quack")
-OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled")
+# ours_dense: ours with INDUCTOR_XENT_SKIP_IGNORED=0 (every row computed: the A/B of --ignored)
+OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled", "ours_dense")
 MiB = 2**20
 # --scan: time and memory against V (N, D fixed at llama3-8b's) and against N (D, V fixed); gauss data
 SCAN_V = (32000, 50257, 128256, 256000)
@@ -138,6 +139,15 @@ def _build(name):
 
         if name == "ours_compiled":
             return torch.compile(_eager_ours, backend="inductor_xent", dynamic=False)
+        if name == "ours_dense":
+            def dense(h, w, t):
+                os.environ["INDUCTOR_XENT_SKIP_IGNORED"] = "0"  # read at call time (config.skip_ignored_rows)
+                try:
+                    return linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
+                finally:
+                    del os.environ["INDUCTOR_XENT_SKIP_IGNORED"]
+
+            return dense
         which = {"ours": None, "ours_recompute": "recompute", "ours_store": "store"}[name]
         return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX, strategy=which)
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")
@@ -219,16 +229,30 @@ def measure(name, fn, h, w, t, ref, quick):
     return row
 
 
-def interleaved(shapes, methods, rounds, quick):
+def _ignored_cases(spec: str):
+    """--ignored "0,0.5" and --ignored-layout "prompt,padding" as [(fraction, layout)], or [None]
+    (the data set's own every-17th row)."""
+    if not spec:
+        return [None]
+    fractions = [float(x) for x in spec.split(",")]
+    return [(f, lay) for lay in _LAYOUTS for f in fractions if f > 0 or lay == _LAYOUTS[0]]
+
+
+_LAYOUTS = list(IGNORED_LAYOUTS)
+
+
+def interleaved(shapes, methods, rounds, quick, ignored=(None,)):
     """fwd+bwd of each method in ``rounds`` rounds, the order rotated every round, so that drift of
     the GPU's clocks over a run falls on every method alike. Per method: the median over rounds,
     and per round the ratio to the first method (its reference, normally ``compile``), whose median
     is the comparison this mode is for: two single runs of one method differ by up to ~5% here."""
     import statistics
 
-    for shape_name in shapes:
-        times = _interleave_shape(shape_name, methods, rounds, quick)
+    for shape_name, case in ((s, c) for s in shapes for c in ignored):
+        times = _interleave_shape(shape_name, methods, rounds, quick, case)
         ref = methods[0]
+        if case is not None:
+            print(f"ignored rows: {case[0]:.0%}, layout {case[1]}")
         print(f"| {shape_name} | method | median fwd+bwd ms ({rounds} rounds) | min | max | "
               f"median of per-round ratio to {ref} |")
         print("|---|---|---|---|---|---|")
@@ -239,8 +263,10 @@ def interleaved(shapes, methods, rounds, quick):
         torch.cuda.empty_cache()
 
 
-def _interleave_shape(shape_name, methods, rounds, quick):
+def _interleave_shape(shape_name, methods, rounds, quick, case=None):
     h, w, t = make_data(SHAPES[shape_name], "gauss")
+    if case is not None:
+        t = ignore_rows(t, *case)
     hr, wr = h.requires_grad_(), w.requires_grad_()
     fns = {}
     for name in methods:
@@ -255,7 +281,7 @@ def _interleave_shape(shape_name, methods, rounds, quick):
         order = methods[r % len(methods):] + methods[:r % len(methods)]
         for name in order:
             times[name].append(bench_ms(fns[name], quick, True))
-        print(json.dumps({"interleaved": shape_name, "round": r, "order": order,
+        print(json.dumps({"interleaved": shape_name, "ignored": case, "round": r, "order": order,
                           "ms": {k: round(v[-1], 3) for k, v in times.items()}}), flush=True)
     return times
 
@@ -818,7 +844,13 @@ def main(argv=None):
                         "is the reference of the ratios)")
     p.add_argument("--scan", action="store_true",
                    help=f"time and memory against V and N (methods default {SCAN_METHODS}); plots bench_scan.png")
+    p.add_argument("--ignored", default="",
+                   help="ignored-row fractions, e.g. 0,0.3,0.5,0.7 (replacing the data's every 17th row)")
+    p.add_argument("--ignored-layout", default=",".join(IGNORED_LAYOUTS),
+                   help=f"with --ignored: {' and/or '.join(IGNORED_LAYOUTS)} (SFT prompt spans per sequence, "
+                        "scattered padding)")
     args = p.parse_args(argv)
+    _LAYOUTS[:] = args.ignored_layout.split(",")
     if args.scan and args.methods == p.get_default("methods"):
         args.methods = SCAN_METHODS
     unknown = [m for m in args.methods.split(",") if m not in METHODS]
@@ -858,7 +890,7 @@ def main(argv=None):
         forward_rounds(shapes, names, args.rounds or 5, args.store_forward)
         return 0
     if args.rounds:
-        interleaved(shapes, args.methods.split(","), args.rounds, args.quick)
+        interleaved(shapes, args.methods.split(","), args.rounds, args.quick, _ignored_cases(args.ignored))
         return 0
     info = env_info()
     print(json.dumps(info), flush=True)
@@ -869,14 +901,20 @@ def main(argv=None):
     unknown = [s for s in shapes if s not in shape_table]
     if unknown:
         p.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(shape_table)}")
-    bar = progress([(s, d) for s in shapes for d in args.data.split(",")], "bench kernels")
-    for shape_name, data in bar:
+    bar = progress([(s, d, c) for s in shapes for d in args.data.split(",") for c in _ignored_cases(args.ignored)],
+                   "bench kernels")
+    for shape_name, data, case in bar:
         shape = shape_table[shape_name]
         h, w, t = make_data(shape, data)
+        if case is not None:
+            t = ignore_rows(t, *case)
         ref = reference(h, w, t)
         for method in args.methods.split(","):
             row = {"shape": shape_name, "data": data, "method": method,
                    "n": shape.n, "d": shape.d, "v": shape.v}
+            if case is not None:  # the data label carries the case, for the table and the plots
+                row["ignored"], row["layout"] = case
+                row["data"] = f"{data}-ign{round(100 * case[0])}-{case[1]}"
             try:
                 if method == "cublas":
                     row.update(measure_cublas(h, w, t, args.quick))

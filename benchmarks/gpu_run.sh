@@ -20,6 +20,9 @@
 #   e2e     HF Llama training step, backend inductor vs inductor_xent (bench e2e)
 #   e2e_modes  the same step under autocast (fp32 parameters), as a whole-model compile (bf16), and both
 #           (bench e2e --modes autocast,whole,whole_autocast: issue 23's variants)
+#   ignored fwd+bwd at llama3-8b with 0/30/50/70 % ignored rows, prompt spans and scattered padding, 3
+#           interleaved rounds: compile, ours, ours with skipping off (ours_dense) and Liger (IGNORED_METHODS)
+#   e2e_sft the HF Llama step with half of each sequence a prompt (bench e2e --prompt 0.5)
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
@@ -115,6 +118,10 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
         e2e)   timeout 230 python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --out "$OUT" 2>&1 \
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
+        ignored) timeout ${IGNORED_S:-300} $BENCH --rounds 3 --quick --shapes llama3-8b --ignored 0,0.3,0.5,0.7 \
+                   --methods ${IGNORED_METHODS:-compile,ours,ours_dense,liger} 2>&1 | tee "$OUT/ignored.log" | grep -E "^\||^ignored|rror" ;;
+        e2e_sft) timeout ${E2E_SFT_S:-230} python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --prompt 0.5 --out "$OUT/sft" 2>&1 \
+                   | grep -v "it/s\]" | tee "$OUT/e2e_sft.log" | tail -8 ;;
         e2e_modes) timeout ${E2E_MODES_S:-420} python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --modes autocast,whole,whole_autocast \
                    --out "$OUT/modes" 2>&1 | grep -v "it/s\]" | tee "$OUT/e2e_modes.log" | tail -16 ;;
         distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick ${DISTILL_METHODS:+--methods $DISTILL_METHODS} --out "$OUT" 2>&1 \
@@ -145,7 +152,7 @@ echo "=== done $(date -u +%T)"
 tar -czf "$FINAL/all.tgz" -C "$FINAL" raw
 for f in pytest.log pytest_gpu.log pytest_dynamo.log llama/bench_pareto.png llama/bench_kernels.json others/bench_kernels.json bench_e2e.json \
          distill.log bench_distill.json rl.log bench_rl.json bench_rl.png profile.log rounds.log n16k.log storek.log storesweep.log storepair.log storefwd.log fwdk.log bwdk.log bench_gemma.log bench.log e2e.log \
-         e2e_modes.log modes/bench_e2e.json; do
+         e2e_modes.log modes/bench_e2e.json ignored.log e2e_sft.log sft/bench_e2e.json; do
     [ -f "$OUT/$f" ] && cp "$OUT/$f" "$FINAL/$(echo "$f" | tr / _)"
 done
 rm -rf "$OUT"

@@ -65,3 +65,29 @@ def make_data(shape: Shape, data: str, dtype=torch.bfloat16, device="cuda", seed
         raise ValueError(f"unknown data {data!r}; choose from {DATA}")
     t[::17] = IGNORE_INDEX
     return h.to(dtype), w.to(dtype), t
+
+
+# ignored-row layouts of ``ignore_rows`` (bench kernels --ignored): SFT prompts, or padding
+IGNORED_LAYOUTS = ("prompt", "padding")
+PROMPT_SEQ = 1024  # rows per sequence of the prompt layout
+
+
+def ignore_rows(t: torch.Tensor, fraction: float, layout: str = "prompt", seed: int = 1) -> torch.Tensor:
+    """``t`` with exactly round(fraction·N) rows set to ignore_index and every other row valid
+    (replacing make_data's every-17th). ``prompt``: each sequence of PROMPT_SEQ rows starts with its
+    prompt, a contiguous span of fraction·PROMPT_SEQ rows (SFT); ``padding``: rows scattered at random."""
+    n = t.shape[0]
+    t = t.clone()
+    t[t == IGNORE_INDEX] = 0
+    if layout == "prompt":
+        pos = torch.arange(n, device=t.device) % PROMPT_SEQ
+        seq_len = torch.full((n,), PROMPT_SEQ, device=t.device)
+        last = n - n % PROMPT_SEQ
+        seq_len[last:] = max(n - last, 1)  # a ragged last sequence
+        t[pos < torch.round(fraction * seq_len)] = IGNORE_INDEX
+    elif layout == "padding":
+        g = torch.Generator(device=t.device).manual_seed(seed)
+        t[torch.randperm(n, device=t.device, generator=g)[:round(fraction * n)]] = IGNORE_INDEX
+    else:
+        raise ValueError(f"unknown layout {layout!r}; choose from {IGNORED_LAYOUTS}")
+    return t

@@ -84,7 +84,7 @@ def batches(shape: dict, device: str, steps: int):
     for _ in range(steps):
         ids = torch.randint(0, shape["vocab"], (shape["batch"], shape["seq"]), generator=g)
         labels = ids.clone()
-        labels[:, : shape["seq"] // 8] = -100  # a prompt whose tokens carry no loss
+        labels[:, : round(shape.get("prompt", 1 / 8) * shape["seq"])] = -100  # a prompt whose tokens carry no loss
         yield {"input_ids": ids.to(device), "labels": labels.to(device)}
 
 
