@@ -32,7 +32,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .. import config
-from .common import cdiv, grouped_pid
+from .common import cdiv, grouped_pid, logits_tile
 from .configs import KernelConfig
 
 # GEMM tiles (bf16/fp16, fp32); the K step must not exceed the dz kernels' row block (see above)
@@ -90,24 +90,12 @@ def rows_mm_kernel(
             rows = tl.minimum(offs_m, M - 1).to(tl.int64)
             cols = tl.minimum(offs_n, N - 1).to(tl.int64)
             offs_k = tl.arange(0, BLOCK_K)
-            if TRANS_A:
-                a_ptrs = a_ptr + offs_k[None, :].to(tl.int64) * stride_a_0 + rows[:, None] * stride_a_1
-            else:
-                a_ptrs = a_ptr + rows[:, None] * stride_a_0 + offs_k[None, :] * stride_a_1
+            stride_a_k = stride_a_0 if TRANS_A else stride_a_1
+            stride_a_m = stride_a_1 if TRANS_A else stride_a_0
+            a_ptrs = a_ptr + rows[:, None] * stride_a_m + offs_k[None, :].to(tl.int64) * stride_a_k
             b_ptrs = b_ptr + offs_k[:, None].to(tl.int64) * stride_b_k + cols[None, :] * stride_b_n
-            for k in tl.range(0, k_end, BLOCK_K, num_stages=NUM_STAGES):
-                k_mask = offs_k < k_end - k
-                a = tl.load(a_ptrs, mask=k_mask[None, :], other=0.0)
-                b = tl.load(b_ptrs, mask=k_mask[:, None], other=0.0)
-                if DOT_UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-                if TRANS_A:
-                    a_ptrs += BLOCK_K * stride_a_0
-                else:
-                    a_ptrs += BLOCK_K * stride_a_1
-                b_ptrs += BLOCK_K * stride_b_k
+            acc = logits_tile(a_ptrs, b_ptrs, k_end, stride_a_k, stride_b_k, offs_k, BLOCK_M, BLOCK_N, BLOCK_K,
+                              False, INPUT_PRECISION, NUM_STAGES, DOT_UPCAST)
         tile_c += NUM_PROGRAMS
         pid_m, pid_n = grouped_pid(tile_c, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
