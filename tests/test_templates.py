@@ -837,8 +837,9 @@ def _ignore(t, pattern):
 @pytest.mark.parametrize("pattern, chunk", SKIP_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_skips_ignored_rows(pattern, chunk, dtype):
-    """The compacted store against the oracle, with a bias and a [D, V] weight passed transposed
-    (rows_mm's pointer path, a transposed grad_weight), and the ignored rows' grad_hidden exactly 0."""
+    """The store against the oracle, with a bias and a [D, V] weight passed transposed (rows_mm's
+    pointer path, a transposed grad_weight), and the ignored rows' grad_hidden exactly 0: compacted in
+    bf16, dense in fp32 (rows.compacts)."""
     h, w, b, t = make_inputs(n=48, dtype=dtype, bias=True, seed=21, transposed_weight=pattern == "prefix")
     t = _ignore(t, pattern)
     _, (gh, _, _) = check_store(h, w, b, t, LossOptions(z_loss=1e-3), reduction="mean", chunk_rows=chunk)
@@ -852,7 +853,7 @@ def test_store_never_reads_ignored_rows(monkeypatch):
     the rows are not skipped."""
     block = 128 if CUDA else 16  # rows_mm's and the store forward's row block
     n = 3 * block
-    h, w, b, t = make_inputs(n=n, bias=True, seed=22)
+    h, w, b, t = make_inputs(n=n, bias=True, seed=22, dtype=torch.bfloat16)  # 16-bit: rows.compacts
     t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(23)).to(t.device)
     t[torch.arange(n, device=t.device) % 3 == 0] = -100  # two blocks of valid rows
     h = h.clone()
@@ -865,3 +866,29 @@ def test_store_never_reads_ignored_rows(monkeypatch):
     assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
     monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
     assert launch.store(h, *args, fp32_accumulate=False)[2].isnan().any()
+
+
+def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
+    """The recompute backward moves the rows with an incoming gradient first and its GEMMs stop at
+    their count: NaN in the other rows' hidden states (ignored targets, no lse gradient) leaves every
+    gradient finite and equal to the valid rows' alone. Fails if those rows are computed (skipping
+    off spreads the NaN into grad_weight)."""
+    block = 128 if CUDA else 16
+    n = 3 * block
+    h, w, b, t = make_inputs(n=n, bias=True, seed=24, dtype=torch.bfloat16)  # 16-bit: rows.compacts
+    t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(25)).to(t.device)
+    t[torch.arange(n, device=t.device) % 3 == 1] = -100
+    o = LossOptions(label_smoothing=0.1)
+    _, lse, lse_lo = launch.forward(h, w, b, t, o)
+    keep = t != -100
+    h = h.clone()
+    h[~keep] = float("nan")
+    gl = torch.rand(n, generator=torch.Generator().manual_seed(26)).to(DEVICE)
+    args = (w, b, t, lse, lse_lo, o, (True, True, True))
+    gh, gw, gb = launch.backward(gl, torch.zeros_like(gl), h, *args)
+    gh_v, gw_v, gb_v = launch.backward(gl[keep], torch.zeros_like(gl[keep]), h[keep], w, b, t[keep], lse[keep],
+                                       lse_lo[keep], *args[5:])
+    assert torch.equal(gw, gw_v) and torch.equal(gb, gb_v)
+    assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert launch.backward(gl, torch.zeros_like(gl), h, *args)[1].isnan().any()

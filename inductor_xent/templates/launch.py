@@ -291,7 +291,7 @@ def backward(
     acc_cfg = configs.acc_mm_config(hidden.dtype)
     # rows.py: the rows with an incoming gradient first (the others' dz is exactly 0: an ignored row
     # with no lse or entropy term), and the dlogits kernel and both GEMMs stop at their count
-    skip = config.skip_ignored_rows()
+    skip = rows.compacts(hidden.dtype)
     if skip:
         valid = target != opts.ignore_index
         live = (valid & (grad_loss != 0)) | (grad_lse != 0)
@@ -302,7 +302,6 @@ def backward(
             t.index_select(0, order) for t in (hidden, target, lse, lse_lo, grad_loss, grad_lse))
         if has_entropy:
             grad_entropy, entropy = grad_entropy.index_select(0, order), entropy.index_select(0, order)
-        mm_cfg = rows.mm_config(hidden.dtype)
     use_tma = _tma_ok(cfg, hidden, weight)
     h_op, w_op = _operands(cfg, hidden, weight, use_tma)
 
@@ -333,10 +332,10 @@ def backward(
         if skip:
             if need_w:
                 rows.rows_mm(grad_w[v0:v0 + cols], dz, hidden, count, bound="k", trans_a=True,
-                             input_precision=precision, cfg=mm_cfg)
+                             input_precision=precision)
             if need_h:
                 rows.rows_mm(acc, dz, weight[v0:v0 + cols], count, out_rows=order, bound="m", accumulate=True,
-                             input_precision=precision, cfg=mm_cfg)
+                             input_precision=precision)
         else:
             if need_w:
                 grad_weight_chunk(grad_w[v0:v0 + cols], dz, hidden)
@@ -450,14 +449,13 @@ def store(
     precision = _input_precision(hidden.dtype)
     # rows.py: the valid rows first and each chunk's count of them on the device; every kernel and
     # both GEMMs stop there (not with logits to return: those need every row)
-    skip = logits is None and config.skip_ignored_rows()
+    skip = logits is None and rows.compacts(hidden.dtype)
     if skip:
         order, count = rows.compact(valid)
         hidden, target, g = (t.index_select(0, order) for t in (hidden, target, g))
         counts = (count - torch.arange(0, n, chunk, device=dev, dtype=torch.int32)).clamp_(0, chunk)
         if need_h:
             grad_h.zero_()  # the ignored rows' gradient; the valid rows are written through `order`
-        mm_cfg = rows.mm_config(hidden.dtype)
 
     for i, r0 in enumerate(range(0, n, chunk)):
         sl = slice(r0, min(n, r0 + chunk))
@@ -477,17 +475,16 @@ def store(
             float(opts.z_loss),
             HAS_SOFTCAP=need_st, NEED_DBIAS=need_b,
             BLOCK_M=dz_cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=dz_cfg.group_m,
-            HAS_COUNT=skip, COUNT_ALIGN=mm_cfg.block_k if skip else 1,
+            HAS_COUNT=skip, COUNT_ALIGN=rows.k_step(hidden.dtype) if skip else 1,
             num_warps=dz_cfg.num_warps,
         )
         dz = dz.to(hidden.dtype)
         if skip:
             if need_h:
-                rows.rows_mm(grad_h, dz, weight, cnt, out_rows=order[sl], bound="m", input_precision=precision,
-                             cfg=mm_cfg)
+                rows.rows_mm(grad_h, dz, weight, cnt, out_rows=order[sl], bound="m", input_precision=precision)
             if need_w:
                 rows.rows_mm(acc_w if fp32_acc else grad_w, dz, h_c, cnt, bound="k", trans_a=True, accumulate=i > 0,
-                             input_precision=precision, cfg=mm_cfg)
+                             input_precision=precision)
         else:
             if need_h:
                 _mm_into(grad_h[sl], dz, weight, accumulate=False)

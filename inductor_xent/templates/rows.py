@@ -37,7 +37,13 @@ from .configs import KernelConfig
 
 # GEMM tiles (bf16/fp16, fp32); the K step must not exceed the dz kernels' row block (see above)
 ROWS_MM_CONFIG = {2: KernelConfig(128, 256, 64, 8, 8, 3, tma=True), 4: KernelConfig(64, 128, 32, 8, 4, 3)}
+# 16-bit operands into an fp32 output (an fp32 accumulator: grad_hidden's in the recompute backward,
+# grad_weight's under strategy.fp32_accumulate): the epilogue converts the fp32 [128, 256] tile through
+# shared memory (128 KiB), which with three 48 KiB stages asks 278552 bytes, over the H100/H200's
+# 232448 (the launch failed on the H200; sm_90 offline compile: 128x128 tiles, 4 stages: 196640)
+ROWS_MM_FP32_OUT = KernelConfig(128, 128, 64, 8, 8, 4, tma=True)
 ROWS_MM_INTERPRET = KernelConfig(16, 32, 16, 2, 4, 1)
+assert ROWS_MM_FP32_OUT.block_k == ROWS_MM_CONFIG[2].block_k  # k_step: one K step per input dtype
 
 
 @triton.jit
@@ -123,11 +129,30 @@ def compact(valid: Tensor) -> tuple[Tensor, Tensor]:
     return order, valid.sum(dtype=torch.int32).reshape(1)
 
 
-def mm_config(dtype: torch.dtype) -> KernelConfig:
-    """rows_mm_kernel's tiles for this input dtype (ROWS_MM_CONFIG; the interpreter's small tile)."""
+def mm_config(dtype: torch.dtype, out_dtype: Optional[torch.dtype] = None) -> KernelConfig:
+    """rows_mm_kernel's tiles for this input dtype and output dtype (ROWS_MM_CONFIG, ROWS_MM_FP32_OUT;
+    the interpreter's small tile)."""
     if config.triton_interpret():
         return ROWS_MM_INTERPRET._replace(tma=True)  # the interpreter emulates descriptors: CI tests that path
-    return ROWS_MM_CONFIG[min(torch.finfo(dtype).bits // 8, 4)]
+    itemsize = min(torch.finfo(dtype).bits // 8, 4)
+    if itemsize < 4 and out_dtype == torch.float32:
+        return ROWS_MM_FP32_OUT
+    return ROWS_MM_CONFIG[itemsize]
+
+
+def k_step(dtype: torch.dtype) -> int:
+    """The K step of rows_mm_kernel for this input dtype, whatever the output's: the dz kernels write
+    zeros up to the count rounded up to it."""
+    return mm_config(dtype).block_k
+
+
+def compacts(dtype: torch.dtype) -> bool:
+    """Whether the Triton launchers compact the rows of inputs of this dtype: 16-bit only. With fp32
+    operands rows_mm_kernel sums the long vocabulary contraction of grad_hidden (dz·W, K = V) in one
+    fp32 FMA chain per output, which measured 3-5x cuBLAS's error there (H200, V = 50257 to 256000:
+    relative error 4e-6 to 7e-6 against torch's 1.1e-6 to 2.7e-6); fp32 heads keep cuBLAS's dense
+    GEMMs (the chunked CPU path skips the rows in every dtype)."""
+    return config.skip_ignored_rows() and dtype != torch.float32
 
 
 def _tma_ok(cfg: KernelConfig, *tensors: Tensor) -> bool:
@@ -177,7 +202,7 @@ def rows_mm(
                 input_precision=input_precision, cfg=cfg, flatten=flatten)
         out.copy_(wide)
         return
-    cfg = cfg or mm_config(a.dtype)
+    cfg = cfg or mm_config(a.dtype, out.dtype)
     use_tma = _tma_ok(cfg, a, b)
     a_op, b_op = a, b
     if use_tma:
