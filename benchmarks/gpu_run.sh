@@ -21,10 +21,12 @@
 #   e2e_modes  the same step under autocast (fp32 parameters), as a whole-model compile (bf16), and both
 #           (bench e2e --modes autocast,whole,whole_autocast: issue 23's variants)
 #   ignored fwd+bwd at llama3-8b with 0/30/50/70 % ignored rows, prompt spans and scattered padding, 3
-#           interleaved rounds: compile, ours, ours with skipping off (ours_dense) and Liger (IGNORED_METHODS)
+#           interleaved rounds: compile, ours, ours with skipping off (ours_dense) and Liger (IGNORED_METHODS,
+#           IGNORED_FRACS, IGNORED_LAYOUT, IGNORED_ROUNDS override)
 #   e2e_sft the HF Llama step with half of each sequence a prompt (bench e2e --prompt 0.5)
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
-#   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl)
+#   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl;
+#           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
 #           idle gaps
 #   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)
@@ -118,7 +120,8 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/sweep.log" | grep -vE "^\s*$" | tail -30 ;;
         e2e)   timeout 230 python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --out "$OUT" 2>&1 \
                    | grep -v "it/s\]" | tee "$OUT/e2e.log" | tail -8 ;;
-        ignored) timeout ${IGNORED_S:-300} $BENCH --rounds 3 --quick --shapes llama3-8b --ignored 0,0.3,0.5,0.7 \
+        ignored) timeout ${IGNORED_S:-300} $BENCH --rounds ${IGNORED_ROUNDS:-3} --quick --shapes llama3-8b \
+                   --ignored ${IGNORED_FRACS:-0,0.3,0.5,0.7} --ignored-layout ${IGNORED_LAYOUT:-prompt,padding} \
                    --methods ${IGNORED_METHODS:-compile,ours,ours_dense,liger} 2>&1 | tee "$OUT/ignored.log" | grep -E "^\||^ignored|rror" ;;
         e2e_sft) timeout ${E2E_SFT_S:-230} python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --prompt 0.5 --out "$OUT/sft" 2>&1 \
                    | grep -v "it/s\]" | tee "$OUT/e2e_sft.log" | tail -8 ;;
@@ -126,7 +129,7 @@ for step in ${STEPS//,/ }; do
                    --out "$OUT/modes" 2>&1 | grep -v "it/s\]" | tee "$OUT/e2e_modes.log" | tail -16 ;;
         distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick ${DISTILL_METHODS:+--methods $DISTILL_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
-        rl)    timeout 150 python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b --out "$OUT" 2>&1 \
+        rl)    timeout ${RL_S:-150} python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b ${RL_METHODS:+--methods $RL_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
         profile) timeout 150 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -70 ;;

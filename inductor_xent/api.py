@@ -107,6 +107,8 @@ def linear_log_probs(
     ignore_index: int = -100,
     entropy: bool = False,
     argmax: bool = False,
+    strategy: Optional[str] = None,
+    store_budget: Optional[str | int] = None,
 ) -> LogProbs:
     """Per-token log-probabilities of ``target`` (and optionally the entropy and the argmax) of a
     linear layer's output at a sampling temperature, without materialising the ``[N, V]`` logits:
@@ -137,7 +139,13 @@ def linear_log_probs(
     differentiable with any incoming gradient (per-token advantages, masks); ``argmax`` is not.
     Returns ``LogProbs(log_probs, entropy, argmax)`` with ``None`` for what was not asked for.
 
-    The backward recomputes the logits (8·N·D·V FLOPs in all, O(N) saved memory, deterministic).
+    ``strategy`` (default ``INDUCTOR_XENT_STRATEGY``, else ``"auto"``) chooses how the gradients are
+    computed: ``"recompute"`` keeps O(N) statistics and the backward recomputes the logits (8·N·D·V
+    FLOPs in all); ``"store"`` keeps the exp-logits of as many rows as ``store_budget`` holds (16
+    bits each for 16-bit inputs, default ``"1x"``: the size of the logits in the input dtype; also
+    bytes like ``"4GiB"``) and their backward forms the gradient from them with two GEMMs instead of
+    three (6·N·D·V FLOPs for those rows); the other rows recompute. ``"auto"`` takes ``store`` on CUDA
+    from D = 2048 up, where at least 1024 rows (or all) fit. Deterministic either way.
     Targets outside ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` on CPU; on CUDA
     they are not checked (a host synchronisation): such a row's log-probability is ``−lse`` (its
     target logit read as 0), its entropy and argmax are right, and its gradient is that of ``−lse``.
@@ -152,10 +160,28 @@ def linear_log_probs(
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     scale, cap = fold_temperature(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
-    log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                                                    target.reshape(-1), int(ignore_index), scale, cap, entropy, argmax)
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    args = (hidden2d, weight, bias, target.reshape(-1), int(ignore_index), scale, cap, entropy, argmax)
+    grad = torch.is_grad_enabled()
+    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
+             grad and bias is not None and bias.requires_grad)
+    if store_budget is not None:
+        config.parse_budget(store_budget)  # a clear error for the value as given
+    budget = str(store_budget) if store_budget is not None else config.store_budget()
+    if _choose_log_probs(*_sizes(hidden2d, weight), hidden2d.dtype, needs, strategy, budget,
+                         hidden2d.device.type) == "store":  # rows sized by the op at run time, from the budget
+        log_probs, ent, arg, *_ = ops.LOGPROB_STORE(*args, 0, budget)
+    else:
+        log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args)
     shape = target.shape
     return LogProbs(log_probs.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
+
+
+@torch.compiler.assume_constant_result
+def _choose_log_probs(n, d, v, dtype, needs, which, budget, device):
+    """``strategy.choose_log_probs``'s strategy, a constant under torch.compile (as ``_choose``)."""
+    return strategies.choose_log_probs(n, d, v, dtype, needs=needs, strategy=which, budget=budget,
+                                       device=device).strategy
 
 
 def _autocast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:

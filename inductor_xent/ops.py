@@ -1,7 +1,8 @@
 """The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
 (other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``STORE_SCALE``, ``STORE_SCALE_``,
-``LOGPROB_FORWARD``, ``LOGPROB_BACKWARD``, and ``DISTILL_FORWARD`` / ``DISTILL_BACKWARD``, the
-two-lm_head distillation ops that ``distill.py`` defines next to their chunked implementation).
+``LOGPROB_FORWARD``, ``LOGPROB_BACKWARD``, ``LOGPROB_STORE``, ``LOGPROB_STORE_BACKWARD``, and
+``DISTILL_FORWARD`` / ``DISTILL_BACKWARD``, the two-lm_head distillation ops that ``distill.py``
+defines next to their chunked implementation).
 
 Strategy ``recompute`` (strategy.py):
 
@@ -39,7 +40,7 @@ Strategy ``store``:
   ``inductor_pass.DonatedScale`` swaps one for the other, so an upstream 1 moves no memory there
   either.
 
-Log-probabilities (``linear_log_probs``; RL and evaluation heads), recompute only:
+Log-probabilities (``linear_log_probs``; RL and evaluation heads), strategy ``recompute``:
 
 * ``inductor_xent::linear_logprob_fwd(hidden, weight, bias, target, ignore_index, logit_scale,
   softcap, need_entropy, need_argmax) -> (log_probs, entropy, argmax, lse, lse_lo)``: per row
@@ -51,6 +52,20 @@ Log-probabilities (``linear_log_probs``; RL and evaluation heads), recompute onl
   target, lse, lse_lo, entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight,
   needs_bias) -> (grad_hidden, grad_weight, grad_bias)``: ``grad_entropy`` and ``entropy`` are both
   None (no entropy term) or both (N,).
+
+Log-probabilities, strategy ``store`` (per-token incoming gradients: the gradients cannot be formed
+in the forward, so the forward keeps what the backward's dz needs instead of the logits):
+
+* ``inductor_xent::linear_logprob_store(hidden, weight, bias, target, ignore_index, logit_scale,
+  softcap, need_entropy, need_argmax, store_rows, budget) -> (log_probs, entropy, argmax, lse,
+  lse_lo, e, m, st)``: ``linear_logprob_fwd``'s outputs, plus for the first S rows (``store_rows``
+  when positive, else as many as ``budget`` holds: ``strategy.logprob_store_rows``, an expression
+  in a dynamic N) their exp-logits ``e`` (S, V; rows 64 elements apart; fp16 for 16-bit inputs), the
+  vocabulary tiles' maxima ``m`` (tiles, S) and the target's sech² ``st`` (S,) under a softcap;
+  not differentiable. The chunked path keeps nothing: (0, 0), (0, 0), (0,).
+* ``inductor_xent::linear_logprob_store_bwd(<linear_logprob_bwd's tensors>, e, m, st, <options>,
+  needs_hidden, needs_weight, needs_bias)``: the S stored rows' dz from ``e`` (two GEMMs), the
+  others' from recomputed logits (three).
 
 All are plain ``custom_op``s: Inductor calls them as fallback kernels, which launch our Triton
 kernels on CUDA. No op synchronises with the host (the mean's denominator stays on the device).
@@ -449,15 +464,19 @@ def linear_logprob_bwd(
     needs_weight: bool,
     needs_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    if (grad_entropy is None) != (entropy is None):
-        raise ValueError("linear_logprob_bwd: grad_entropy and entropy must both be tensors or both be None, got "
-                         f"grad_entropy={'None' if grad_entropy is None else 'a tensor'}, "
-                         f"entropy={'None' if entropy is None else 'a tensor'}")
+    _check_entropy_pair(grad_entropy, entropy, "linear_logprob_bwd")
     opts = _lp_opts(ignore_index, logit_scale, softcap)
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
     # log_prob = −loss (no smoothing, no z-loss): the loss's backward with the gradient negated
     args = (-grad_log_probs, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs)
     return _implementation(hidden).backward(*args, grad_entropy=grad_entropy, entropy=entropy)
+
+
+def _check_entropy_pair(grad_entropy: Optional[Tensor], entropy: Optional[Tensor], name: str) -> None:
+    if (grad_entropy is None) != (entropy is None):
+        raise ValueError(f"{name}: grad_entropy and entropy must both be tensors or both be None, got "
+                         f"grad_entropy={'None' if grad_entropy is None else 'a tensor'}, "
+                         f"entropy={'None' if entropy is None else 'a tensor'}")
 
 
 @linear_logprob_bwd.register_fake
@@ -477,7 +496,14 @@ def _lp_setup_context(ctx, inputs, output):
 
 
 def _lp_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, _grad_lse_lo):
-    hidden, weight, bias, target, lse, lse_lo, entropy = ctx.saved_tensors
+    return _lp_grads(ctx, LOGPROB_BACKWARD, ctx.saved_tensors, grad_log_probs, grad_entropy, grad_lse)
+
+
+def _lp_grads(ctx, op, saved, grad_log_probs, grad_entropy, grad_lse, stored=(), extra=0):
+    """The log-prob ops' autograd backward: ``op`` (LOGPROB_BACKWARD, or LOGPROB_STORE_BACKWARD with
+    the ``stored`` tensors) on the saved (hidden, weight, bias, target, lse, lse_lo, entropy); the
+    forward has ``extra`` more arguments than the recompute op's nine."""
+    hidden, weight, bias, target, lse, lse_lo, entropy = saved
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = need_b and bias is not None
     if grad_log_probs is None:
@@ -486,19 +512,131 @@ def _lp_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, _gra
         grad_lse = torch.zeros_like(lse)
     if grad_entropy is None or not ctx.need_entropy:
         grad_entropy, entropy = None, None
-    grad_h, grad_w, grad_b = linear_logprob_bwd(
-        grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, *ctx.options,
-        need_h, need_w, need_b,
+    grad_h, grad_w, grad_b = op(
+        grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, *stored,
+        *ctx.options, need_h, need_w, need_b,
     )
     return (
         grad_h if need_h else None,
         grad_w if need_w else None,
         grad_b if need_b else None,
-        None, None, None, None, None, None,
+        *(None,) * (6 + extra),
     )
 
 
 linear_logprob_fwd.register_autograd(_lp_backward, setup_context=_lp_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probabilities, strategy store: the first S rows' exp-logits kept for the backward
+# ---------------------------------------------------------------------------------------------
+@torch.library.custom_op("inductor_xent::linear_logprob_store", mutates_args=())
+@_without_autocast
+def linear_logprob_store(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    need_entropy: bool,
+    need_argmax: bool,
+    store_rows: int,
+    budget: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    opts = _lp_opts(ignore_index, logit_scale, softcap)
+    fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
+    if not use_triton(hidden):  # the chunked path keeps nothing: its backward recomputes every row
+        return (*fallback.log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax),
+                *_stored_fakes(hidden, weight, softcap, 0))
+    rows = strategy.logprob_store_rows(hidden.shape[0], weight.shape[0], hidden.dtype, budget, store_rows)
+    return _kernels(hidden).log_probs_store(hidden, weight, bias, target, opts, need_entropy, need_argmax, rows)
+
+
+def _stored_fakes(hidden: Tensor, weight: Tensor, softcap: Optional[float], rows) -> tuple[Tensor, Tensor, Tensor]:
+    """Empty tensors of the shapes of linear_logprob_store's ``e``, ``m``, ``st`` for ``rows`` stored
+    rows (a SymInt under a dynamic N); (0, 0), (0, 0), (0,) where nothing is kept."""
+    if isinstance(rows, int) and rows == 0:
+        return hidden.new_empty((0, 0)), hidden.new_empty((0, 0), dtype=torch.float32), \
+            hidden.new_empty((0,), dtype=torch.float32)
+    e, m = _kernels(hidden).stored_empty(hidden, rows, weight.shape[0], hidden.dtype)
+    return e, m, hidden.new_empty((rows if softcap is not None else 0,), dtype=torch.float32)
+
+
+@linear_logprob_store.register_fake
+def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax, store_rows, budget):
+    cd = compute_dtype(hidden.dtype)
+    n = hidden.shape[0]
+    rows = strategy.logprob_store_rows(n, weight.shape[0], hidden.dtype, budget, store_rows) \
+        if use_triton(hidden) else 0
+    return (
+        hidden.new_empty((n,), dtype=cd),
+        hidden.new_empty((n if need_entropy else 0,), dtype=cd),
+        hidden.new_empty((n if need_argmax else 0,), dtype=torch.long),
+        hidden.new_empty((n,), dtype=cd),
+        hidden.new_empty((n,), dtype=cd),
+        *_stored_fakes(hidden, weight, softcap, rows),
+    )
+
+
+@torch.library.custom_op("inductor_xent::linear_logprob_store_bwd", mutates_args=())
+@_without_autocast
+def linear_logprob_store_bwd(
+    grad_log_probs: Tensor,
+    grad_entropy: Optional[Tensor],
+    grad_lse: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    lse: Tensor,
+    lse_lo: Tensor,
+    entropy: Optional[Tensor],
+    e: Tensor,
+    m: Tensor,
+    st: Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if e.shape[0] == 0:  # nothing kept (the chunked path): every row recomputes
+        return linear_logprob_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo,
+                                  entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias)
+    _check_entropy_pair(grad_entropy, entropy, "linear_logprob_store_bwd")
+    opts = _lp_opts(ignore_index, logit_scale, softcap)
+    needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
+    return _kernels(hidden).log_probs_store_backward(-grad_log_probs, grad_lse, hidden, weight, bias, target, lse,
+                                                     lse_lo, opts, needs, grad_entropy=grad_entropy, entropy=entropy,
+                                                     e=e, m=m, st=st)
+
+
+@linear_logprob_store_bwd.register_fake
+def _(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st,
+      ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias):
+    return _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+
+def _lp_store_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, *_ = inputs
+    _, entropy, argmax, lse, lse_lo, e, m, st = output
+    ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st)
+    ctx.mark_non_differentiable(argmax, lse_lo, e, m, st)
+    ctx.set_materialize_grads(False)
+    ctx.options = (ignore_index, logit_scale, softcap)
+    ctx.need_entropy = need_entropy
+
+
+def _lp_store_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, *_unused):
+    hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st = ctx.saved_tensors
+    return _lp_grads(ctx, LOGPROB_STORE_BACKWARD, (hidden, weight, bias, target, lse, lse_lo, entropy),
+                     grad_log_probs, grad_entropy, grad_lse, stored=(e, m, st), extra=2)
+
+
+linear_logprob_store.register_autograd(_lp_store_backward, setup_context=_lp_store_setup_context)
 
 FORWARD = torch.ops.inductor_xent.linear_ce_fwd.default
 BACKWARD = torch.ops.inductor_xent.linear_ce_bwd.default
@@ -507,6 +645,8 @@ STORE_SCALE = torch.ops.inductor_xent.store_scale.default
 STORE_SCALE_ = torch.ops.inductor_xent.store_scale_.default
 LOGPROB_FORWARD = torch.ops.inductor_xent.linear_logprob_fwd.default
 LOGPROB_BACKWARD = torch.ops.inductor_xent.linear_logprob_bwd.default
+LOGPROB_STORE = torch.ops.inductor_xent.linear_logprob_store.default
+LOGPROB_STORE_BACKWARD = torch.ops.inductor_xent.linear_logprob_store_bwd.default
 
 # the distillation ops (two lm_heads): defined with their implementation in distill.py
 from . import distill  # noqa: E402, F401 - registers them

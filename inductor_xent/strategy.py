@@ -58,10 +58,14 @@ class GradientPlan:
     extra_bytes: int = 0  # estimated extra memory of the chosen strategy (at the planned N)
     reason: str = ""  # why this strategy (shown by explain)
     budget: str = ""  # store: the budget the op sizes its chunks from at run time
+    planned_rows: int = 0  # the log-prob op's store: the N planned for (chunk_rows of them keep their exp-logits)
 
     def describe(self) -> str:
         if self.strategy == "recompute":
             return f"recompute ({self.reason})" if self.reason else "recompute"
+        if self.planned_rows:
+            return (f"store (exp-logits of {self.chunk_rows} of {self.planned_rows} rows kept for the backward, "
+                    f"~{_mib(self.extra_bytes)})")
         acc = ", fp32 weight-gradient accumulator" if self.fp32_accumulate else ""
         return f"store (chunks of {self.chunk_rows} rows{acc}, ~{_mib(self.extra_bytes)})"
 
@@ -169,6 +173,72 @@ def choose(
     limit = amount * (n * v * itemsize if kind == "logits" else 1)
     return GradientPlan("recompute",
                         reason=f"store needs at least {_mib(smallest)}, over the budget of {_mib(limit)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the log-prob op (per-row incoming gradients): store keeps the exp-logits of the first S rows
+# ---------------------------------------------------------------------------------------------
+# The backward of a per-token head (log-probs, entropy: RL) cannot be folded into the forward as the
+# loss's is: its incoming gradients are per row. Store keeps, from the forward's tiles, what dz needs
+# instead of the logits themselves: E = exp(z − m_tile) (fp16: 11 bits; fp32 for fp32 inputs), each
+# tile's max and the target's sech², so that the backward of those rows is two GEMMs, not three
+# (6·N·D·V FLOPs in all instead of 8). The first S rows as many as fit the budget; the rest recompute.
+def logprob_row_bytes(v, itemsize: int):
+    """Bytes a row keeps under the log-prob op's store: its exp-logits, one fp32 maximum per store
+    tile, the target's sech² (``v`` may be a SymInt: no negative floor division)."""
+    tile = STORE_TILE[min(itemsize, 4)]
+    return v * (4 if itemsize >= 4 else 2) + (v + tile - 1) // tile * 4 + 4
+
+
+def logprob_store_rows(n, v, dtype: torch.dtype, budget, store_rows: int = 0):
+    """S, the rows (of ``n``) whose exp-logits the log-prob op's store keeps: ``store_rows`` when it is
+    positive, else as many as ``budget`` holds; at most ``n``. ``n`` and ``v`` may be SymInts (dynamic
+    sizes under torch.compile, where the op's fake sizes its outputs with this): S is then an
+    integer expression in them, with no comparison (no guard)."""
+    if store_rows > 0:
+        return _sym_min(n, int(store_rows))
+    itemsize = torch.finfo(dtype).bits // 8
+    per_row = logprob_row_bytes(v, itemsize)
+    kind, amount = config.parse_budget(budget)
+    if kind == "bytes":
+        return _sym_min(n, int(amount) // per_row)
+    scale = 2**20  # the fraction of the logits as an integer ratio, rounded down (never over the budget)
+    return _sym_min(n, (n * v * itemsize * int(amount * scale)) // (per_row * scale))
+
+
+def _sym_min(a, b):
+    return torch.sym_min(a, b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else min(a, b)
+
+
+def choose_log_probs(
+    n: Optional[int], d: int, v: int, dtype: torch.dtype, *, needs: tuple[bool, bool, bool],
+    strategy: Optional[str] = None, budget: Optional[str | int | float] = None, device: str = "cuda",
+) -> GradientPlan:
+    """The strategy of a log-prob op (``choose``'s for the per-token heads): ``store`` keeps the
+    exp-logits of as many rows as ``budget`` holds (at least MIN_CHUNK_ROWS of them, or all) and
+    their backward is two GEMMs; ``auto`` takes it on CUDA from STORE_MIN_D_CUDA up (the same passes
+    over [N, V] against the same saved GEMM as the loss's store); on CPU the chunked path recomputes."""
+    strategy = config.check_strategy(strategy if strategy is not None else config.strategy())
+    budget = budget if budget is not None else config.store_budget()
+    config.parse_budget(budget)
+    if strategy == "recompute":
+        return GradientPlan("recompute", reason="strategy='recompute'")
+    if not any(needs):
+        return GradientPlan("recompute", reason="store cannot run: no gradient is needed")
+    if strategy == "auto" and device != "cuda":
+        return GradientPlan("recompute", reason="the log-prob op stores on CUDA only (the chunked path recomputes)")
+    if strategy == "auto" and d < STORE_MIN_D_CUDA:
+        return GradientPlan("recompute", reason=f"D = {d} < {STORE_MIN_D_CUDA}: at small D store's passes over "
+                                                "[N, V] cost more than the GEMM it saves")
+    n = DYNAMIC_ROWS if n is None else max(int(n), 1)
+    rows = logprob_store_rows(n, v, dtype, budget)
+    per_row = logprob_row_bytes(v, torch.finfo(dtype).bits // 8)
+    if rows < min(n, MIN_CHUNK_ROWS):
+        kind, amount = config.parse_budget(budget)
+        limit = amount * (n * v * torch.finfo(dtype).bits // 8 if kind == "logits" else 1)
+        return GradientPlan("recompute", reason=f"store needs at least {_mib(min(n, MIN_CHUNK_ROWS) * per_row)}, "
+                                                f"over the budget of {_mib(limit)}")
+    return GradientPlan("store", rows, extra_bytes=rows * per_row, budget=str(budget), planned_rows=n)
 
 
 def _mib(n) -> str:

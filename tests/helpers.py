@@ -506,7 +506,7 @@ def before_after(fn, inputs=None, **options) -> str:
 
 def fused_ops(graph_targets) -> int:
     """How many fused ops (either strategy's, or the log-probs op) a recorded graph holds."""
-    return sum(t in (ops.FORWARD, ops.STORE, ops.LOGPROB_FORWARD) for t in graph_targets)
+    return sum(t in (ops.FORWARD, ops.STORE, ops.LOGPROB_FORWARD, ops.LOGPROB_STORE) for t in graph_targets)
 
 
 def sources(graph_targets) -> list:

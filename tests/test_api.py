@@ -149,6 +149,65 @@ def test_auto_takes_recompute_at_small_hidden_size_on_cuda():
     assert big.strategy == "store", big
 
 
+def test_log_probs_strategy_plan():
+    """The log-prob op's store (issue 24) at the Qwen2.5-7B head: under the default budget (1x, the
+    bf16 logits) all but the rows whose tile maxima overflow it keep their exp-logits; 8 GiB keeps
+    every row; too small a budget, a small D or the CPU under auto, or no gradient: recompute."""
+    from inductor_xent import strategy
+
+    args = (16384, 3584, 152064, torch.bfloat16)
+    kw = dict(needs=(True, True, False), device="cuda")
+    plan = strategy.choose_log_probs(*args, budget="1x", **kw)
+    per_row = 152064 * 2 + 594 * 4 + 4  # fp16 exp-logits, a max per 256-column tile, the target's sech²
+    assert plan.strategy == "store" and plan.planned_rows == 16384 and plan.extra_bytes == plan.chunk_rows * per_row
+    assert plan.chunk_rows == 16384 * 152064 * 2 // per_row == 16256  # the 128 rows whose share the tile maxima take
+    assert plan.extra_bytes <= 16384 * 152064 * 2
+    assert "exp-logits of 16256 of 16384 rows" in plan.describe()
+    assert strategy.choose_log_probs(*args, budget="8GiB", **kw).chunk_rows == 16384
+    small = strategy.choose_log_probs(*args, budget="16MiB", **kw)
+    assert small.strategy == "recompute" and "over the budget of 16 MiB" in small.reason, small
+    assert "D = 768 < 2048" in strategy.choose_log_probs(16384, 768, 50257, torch.bfloat16, **kw).reason
+    assert strategy.choose_log_probs(16384, 768, 50257, torch.bfloat16, strategy="store", **kw).strategy == "store"
+    cpu = strategy.choose_log_probs(*args, needs=(True, True, False), device="cpu")
+    assert cpu.strategy == "recompute" and "CUDA only" in cpu.reason
+    assert strategy.choose_log_probs(*args, needs=(False, False, False), device="cuda").strategy == "recompute"
+
+
+@pytest.mark.parametrize("impl", ["triton", "chunked"])
+def test_log_probs_store_strategy_agrees_with_recompute(impl, monkeypatch):
+    """linear_log_probs(strategy="store") gives the recompute strategy's values and gradients, through
+    the store op (the Triton kernels keep the exp-logits of every row: the budget holds the
+    strategy.MIN_CHUNK_ROWS rows the plan asks for; the chunked path keeps none), eagerly and compiled
+    (test_templates and test_ops cover a partial store)."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(3, 10, 8, generator=g, requires_grad=True)
+    w = torch.randn(61, 8, generator=g, requires_grad=True)
+    y = torch.randint(0, 61, (3, 10), generator=g)
+    y[0, :4] = -100
+    from inductor_xent import strategy
+
+    budget = strategy.MIN_CHUNK_ROWS * strategy.logprob_row_bytes(61, 4)
+    kw = dict(temperature=0.7, softcap=4.0, entropy=True, argmax=True)
+    ups = [torch.randn(3, 10, generator=g) for _ in range(2)]
+
+    def run(fn):
+        out = fn(h, w)
+        return [out.log_probs, out.entropy, out.argmax, *torch.autograd.grad(
+            (out.log_probs * ups[0] + out.entropy * ups[1]).sum(), (h, w))]
+
+    store = run(lambda a, b: inductor_xent.linear_log_probs(a, b, y, strategy="store", store_budget=budget, **kw))
+    recompute = run(lambda a, b: inductor_xent.linear_log_probs(a, b, y, strategy="recompute", **kw))
+    compiled = run(torch.compile(lambda a, b: inductor_xent.linear_log_probs(
+        a, b, y, strategy="store", store_budget=budget, **kw), backend="aot_eager", fullgraph=True))
+    for a, b, c in zip(store, recompute, compiled):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+    out = inductor_xent.linear_log_probs(h, w, y, strategy="store", store_budget=budget, **kw)
+    node = out.log_probs.grad_fn.next_functions[0][0]  # under the view to the target's shape
+    assert "linear_logprob_store" in type(node).__name__, type(node).__name__
+
+
 def test_eager_plans_as_compiled_does():
     """An eager call takes the strategy a compiled call of the same function takes: both plan
     without N. At N = 100, V = 500 the store chunk (100 rows of V padded to 512) is just over the

@@ -47,16 +47,22 @@ def test_targets_verdicts(rl):
     rows = [
         _row("cublas", fwd_lp={"ms": 10.0}),
         _row("compile", fwdbwd_lpe={"ms": 100.0, "mib": 10000.0}),
-        _row("ours", fwd_lp={"ms": 10.9}, fwdbwd_lpe={"ms": 90.0, "mib": 600.0}),  # 6% of compile's memory
+        # auto (store: issue 24's <= 25 % of compile's memory) at 26 %; recompute (issue 10's 5 %) at 6 %
+        _row("ours", fwd_lp={"ms": 10.9}, fwdbwd_lpe={"ms": 90.0, "mib": 2600.0}),
+        _row("ours_recompute", fwd_lp={"ms": 10.9}, fwdbwd_lpe={"ms": 110.0, "mib": 600.0}),
         _row("ours_compiled", fwd_lp={"ms": 11.5}, fwdbwd_lpe={"status": "not fused: the logits have other users"}),
     ]
     got = {(t["method"], t["target"].split()[0]): (t["verdict"], t["detail"]) for t in rl.targets(rows)}
     assert got[("ours", "log-probs")] == ("met", "10.90 ms / 10.00 ms = 1.090x")
-    assert got[("ours", "log-probs+entropy")] == ("missed", "90.00 ms / 100.00 ms = 0.900x; 600 MiB / 10000 MiB = 6.0%")
+    assert got[("ours", "log-probs+entropy")] == ("missed", "90.00 ms / 100.00 ms = 0.900x; 2600 MiB / 10000 MiB = 26.0%")
+    assert got[("ours_recompute", "log-probs+entropy")] == (
+        "missed", "110.00 ms / 100.00 ms = 1.100x; 600 MiB / 10000 MiB = 6.0%")
     assert got[("ours_compiled", "log-probs")][0] == "missed"
     assert got[("ours_compiled", "log-probs+entropy")] == ("n/a", "not fused: the logits have other users")
-    rows[2]["variants"]["fwdbwd_lpe"]["mib"] = 400.0
-    assert rl.targets(rows)[1]["verdict"] == "met"
+    rows[2]["variants"]["fwdbwd_lpe"]["mib"] = 2400.0
+    rows[3]["variants"]["fwdbwd_lpe"].update(ms=95.0, mib=400.0)
+    got = {(t["method"], t["target"].split()[0]): t["verdict"] for t in rl.targets(rows)}
+    assert got[("ours", "log-probs+entropy")] == got[("ours_recompute", "log-probs+entropy")] == "met"
 
 
 def test_cpu_dry_run(tmp_path, capsys):

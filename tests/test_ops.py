@@ -9,6 +9,8 @@ from inductor_xent.ops import BACKWARD as BWD
 from inductor_xent.ops import FORWARD as FWD
 from inductor_xent.ops import LOGPROB_BACKWARD as LP_BWD
 from inductor_xent.ops import LOGPROB_FORWARD as LP_FWD
+from inductor_xent.ops import LOGPROB_STORE as LP_STORE
+from inductor_xent.ops import LOGPROB_STORE_BACKWARD as LP_STORE_BWD
 from inductor_xent.ops import STORE
 
 from .helpers import assert_all_smaller
@@ -84,6 +86,47 @@ def test_opcheck_log_probs_backward(with_entropy, needs):
     assert gh.shape == ((13, 7) if needs[0] else (0,))
     assert gw.shape == ((23, 7) if needs[1] else (0,))
     assert gb.shape == ((23,) if needs[2] else (0,))
+
+
+# (implementation, stored rows): the chunked path keeps nothing; the Triton kernels (interpreter)
+# keep every row's exp-logits, or the first 5 of 13 and recompute the rest
+LP_STORE_CASES = [("chunked", 0), ("triton", 13), ("triton", 5)]
+
+
+@pytest.mark.parametrize("impl, rows", LP_STORE_CASES)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("need_entropy, need_argmax", [(True, True), (False, False)])
+def test_opcheck_log_probs_store(impl, rows, softcap, need_entropy, need_argmax, monkeypatch):
+    """The store op's schema, fake shapes (e, m, st sized from store_rows, or empty on the chunked
+    path) and autograd; its outputs equal the recompute op's and its e keeps the asked rows."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    h, w, b, y = _args()
+    args = (h, w, b, y, -100, 1.4, softcap, need_entropy, need_argmax, rows, "1x")
+    torch.library.opcheck(LP_STORE, args)
+    out, ref = LP_STORE(*args), LP_FWD(*args[:9])
+    for a, r in zip(out[:5], ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    e, m, st = out[5:]
+    assert e.shape[0] == m.shape[1] == rows and st.shape == ((rows,) if softcap and rows else (0,))
+
+
+@pytest.mark.parametrize("impl, rows", LP_STORE_CASES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, False)])
+def test_opcheck_log_probs_store_backward(impl, rows, with_entropy, needs, monkeypatch):
+    """The store backward op against the recompute backward op: the same gradients (to rounding)."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    h, w, b, y = _args()
+    with torch.no_grad():
+        _, ent, _, lse, lse_lo, e, m, st = LP_STORE(h, w, b, y, -100, 0.7, 3.0, True, False, rows, "1x")
+    g = torch.Generator().manual_seed(1)
+    g_lp, g_ent, g_lse = (torch.randn(13, generator=g) for _ in range(3))
+    head = (g_lp, g_ent if with_entropy else None, g_lse, h.detach(), w.detach(), b.detach(), y, lse, lse_lo,
+            ent if with_entropy else None)
+    tail = (-100, 0.7, 3.0, *needs)
+    torch.library.opcheck(LP_STORE_BWD, (*head, e, m, st, *tail))
+    for a, r in zip(LP_STORE_BWD(*head, e, m, st, *tail), LP_BWD(*head, *tail)):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "store"])

@@ -436,6 +436,41 @@ def test_grpo_step_compiled_whole():
     assert_all_smaller(aot.fw_graphs + aot.bw_graphs, bsz * seq * v)
 
 
+@pytest.mark.parametrize("impl", ["triton", "chunked"])
+def test_grpo_step_compiled_whole_store(impl, monkeypatch):
+    """The same step with strategy store (issue 24): the log-probs op keeps the exp-logits of every
+    row (the Triton kernels, interpreted) or nothing (the chunked path) and the backward is its store
+    backward op; loss, accuracy and gradients as eager's."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    bsz, seq, d, v = 2, 11, 16, 97
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(bsz, seq, d, generator=g, requires_grad=True)
+    w = (torch.randn(v, d, generator=g) * (3 / d**0.5)).requires_grad_()
+    y = torch.randint(0, v, (bsz, seq), generator=g)
+    batch = grpo_batch(bsz, seq, seed=6)
+    with torch.no_grad():
+        rollout = eager_log_probs(h, w, y, temperature=TEMP)[0]
+    args = (y, rollout + batch["old_offset"], rollout + batch["ref_offset"], batch["advantages"], batch["mask"])
+    aot = AotEagerAndRecordGraphs()
+    sites = []
+
+    def backend(gm, example_inputs):
+        sites.extend(patterns.run(gm, strategy="store", store_budget="1GiB"))
+        return aot(gm, example_inputs)
+
+    loss, acc = torch.compile(_grpo_step, backend=backend)(h, w, *args)
+    got = torch.autograd.grad(loss, (h, w))
+    want_loss, want_acc = _grpo_step(h, w, *args)
+    torch.testing.assert_close(loss, want_loss)
+    assert torch.equal(acc, want_acc)
+    for a, b in zip(got, torch.autograd.grad(want_loss, (h, w))):
+        torch.testing.assert_close(a, b)
+    (site,) = sites
+    assert site.strategy == "store" and "exp-logits of 22 of 22 rows" in site.strategy_reason, site
+    assert [targets(gr).count(ops.LOGPROB_STORE) for gr in aot.fw_graphs] == [1]
+    assert [targets(gr).count(ops.LOGPROB_STORE_BACKWARD) for gr in aot.bw_graphs] == [1]
+
+
 # ---------------------------------------------------------------------------------------------
 # declines: the graph untouched, eager's numbers, the reason
 # ---------------------------------------------------------------------------------------------

@@ -635,9 +635,10 @@ def lp_and_grads(h, w, b, t, kw, ups, *, torch_way):
     return [x.detach() for x in outs], list(torch.autograd.grad(total, leaves))
 
 
-def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True):
+def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True, store_rows=None):
     """log_probs_forward + backward (with the entropy term) through the launchers against the
-    float64 oracle, relative to torch; argmax a row maximum of the float64 logits."""
+    float64 oracle, relative to torch; argmax a row maximum of the float64 logits. ``store_rows``:
+    log_probs_store keeping that many rows' exp-logits and log_probs_store_backward instead."""
     n = h.shape[0]
     g = torch.Generator().manual_seed(seed)
     ups = [(torch.randn(n, generator=g) * s).to(DEVICE) for s in (1.0, 0.5, 0.3 if grad_lse else 0.0)]
@@ -645,7 +646,11 @@ def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True):
                                       torch_way=False)
     same, same_grads = lp_and_grads(h, w, b, t, kw, ups, torch_way=True)
     o = _lp_opts(**kw)
-    lp, ent, arg, lse, lse_lo = launch.log_probs_forward(h, w, b, t, o, True, True)
+    if store_rows is None:
+        lp, ent, arg, lse, lse_lo = launch.log_probs_forward(h, w, b, t, o, True, True)
+    else:
+        lp, ent, arg, lse, lse_lo, e, m, st = launch.log_probs_store(h, w, b, t, o, True, True, store_rows)
+        assert e.shape[0] == m.shape[1] == min(store_rows, n) and st.shape == ((e.shape[0],) if o.softcap else (0,))
     assert lp.dtype == ent.dtype == lse.dtype == torch.float32 and arg.dtype == torch.long
     eps = EPS[h.dtype] if eps is None else eps
     for name, ours, pt, ref in zip(("log_probs", "entropy", "lse"), (lp, ent, lse), same, exact):
@@ -656,8 +661,11 @@ def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True):
     top = z.amax(-1)
     assert torch.all(z.gather(1, arg[:, None])[:, 0] >= top - 1e-5 * (1 + top.abs())), "argmax"
 
-    ours = launch.backward(-ups[0], ups[2], h, w, b, t, lse, lse_lo, o, (True, True, b is not None),
-                           grad_entropy=ups[1], entropy=ent)
+    args = (-ups[0], ups[2], h, w, b, t, lse, lse_lo, o, (True, True, b is not None))
+    if store_rows is None:
+        ours = launch.backward(*args, grad_entropy=ups[1], entropy=ent)
+    else:
+        ours = launch.log_probs_store_backward(*args, grad_entropy=ups[1], entropy=ent, e=e, m=m, st=st)
     for name, x, pt, ref, src in zip(("hidden", "weight", "bias"), ours, same_grads, exact_grads, (h, w, b)):
         assert x.dtype == src.dtype and x.shape == src.shape, name
         assert rel_err(x, ref) <= K * rel_err(pt, ref) + eps, (name, rel_err(x, ref), rel_err(pt, ref))
@@ -689,6 +697,64 @@ def test_log_probs_fp32(name):
 def test_log_probs_bf16(name):
     make_kw, kw = LP_CASES[name]
     check_log_probs(*make_inputs(dtype=torch.bfloat16, seed=3, **make_kw), kw)
+
+
+# the log-prob op's store (launch.log_probs_store): every row's exp-logits kept (37 of 37 rows), the
+# first 20 only (a stored part whose valid rows end inside a row block, the rest recomputed), none
+STORE_ROWS = [37, 20, 0]
+
+
+@pytest.mark.parametrize("store_rows", STORE_ROWS)
+@pytest.mark.parametrize("name", list(LP_CASES))
+def test_log_probs_store_fp32(name, store_rows):
+    make_kw, kw = LP_CASES[name]
+    check_log_probs(*make_inputs(**make_kw), kw, store_rows=store_rows)
+
+
+@pytest.mark.parametrize("store_rows", STORE_ROWS[:2])
+@pytest.mark.parametrize("name", ["plain", "bias_scale_softcap_temperature", "everything_strided"])
+def test_log_probs_store_bf16(name, store_rows):
+    """16-bit inputs: the stored rows compacted (rows.compacts), their dz read through the order."""
+    make_kw, kw = LP_CASES[name]
+    check_log_probs(*make_inputs(dtype=torch.bfloat16, seed=3, **make_kw), kw, store_rows=store_rows)
+
+
+def test_log_probs_store_many_chunks(monkeypatch):
+    """The stored backward in chunks of one store tile (its tile maxima indexed per chunk), bf16 with
+    the rows compacted and without an lse gradient (the RL case: the ignored rows are not live)."""
+    monkeypatch.setattr(configs, "STORED_BWD_CHUNK_BYTES", 1)
+    v = 131 if not CUDA else 701
+    h, w, b, t = make_inputs(n=50, v=v, dtype=torch.bfloat16, bias=True, scale=4.0, seed=31)
+    check_log_probs(h, w, b, t, dict(temperature=0.7, softcap=6.0), store_rows=50, grad_lse=False)
+
+
+def test_log_probs_store_never_reads_rows_without_gradient(monkeypatch):
+    """The stored backward walks only the rows with an incoming gradient: NaN in the ignored rows'
+    hidden states (kept in e, with a NaN lse) leaves every gradient equal to that of the valid rows
+    alone; computing every row (skipping off) spreads the NaN. Fails if those rows are read."""
+    block = 128 if CUDA else 16
+    n = 3 * block
+    h, w, b, t = make_inputs(n=n, bias=True, seed=32, dtype=torch.bfloat16)  # 16-bit: rows.compacts
+    t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(33)).to(t.device)
+    t[torch.arange(n, device=t.device) % 3 == 2] = -100
+    keep = t != -100
+    h = h.clone()
+    h[~keep] = float("nan")
+    o = _lp_opts(temperature=0.8)
+    g = torch.Generator().manual_seed(34)
+    ups = [torch.randn(n, generator=g).to(DEVICE) for _ in range(2)]
+
+    def grads(hh, tt, ua, ub):
+        lp, ent, _, lse, lse_lo, e, m, st = launch.log_probs_store(hh, w, b, tt, o, True, False, hh.shape[0])
+        return launch.log_probs_store_backward(-ua, torch.zeros_like(ua), hh, w, b, tt, lse, lse_lo, o,
+                                               (True, True, True), grad_entropy=ub, entropy=ent, e=e, m=m, st=st)
+
+    gh, gw, gb = grads(h, t, *ups)
+    gh_v, gw_v, gb_v = grads(h[keep], t[keep], ups[0][keep], ups[1][keep])
+    assert torch.equal(gw, gw_v) and torch.equal(gb, gb_v)
+    assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert grads(h, t, *ups)[1].isnan().any()
 
 
 def test_log_probs_many_splits_and_chunks(monkeypatch):

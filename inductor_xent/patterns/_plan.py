@@ -381,14 +381,16 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
     """How the rewritten site computes its gradients (strategy.choose, from the example values' sizes
     as hints and their requires_grad: which gradients the graph will ask for)."""
     site, chain = p.first, p.logits
-    if p.log_probs_op:
-        return strategy.GradientPlan("recompute", reason="the log-probs op (entropy, argmax) recomputes")
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
         return strategy.GradientPlan("recompute", reason="no vocabulary-parallel store kernel")
     tx = tval(chain.hidden)
     v, d = chain.vd
     n = numel_hint(tx)
     n = None if n is None else n // max(1, hint(d) or 1)
+    if p.log_probs_op:  # per-row heads (log-probs, entropy, argmax): their own store (strategy.py)
+        return strategy.choose_log_probs(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS,
+                                         p.dtype, needs=p.needs, strategy=which, budget=budget,
+                                         device=tx.device.type)
     reduced = len(p.heads) == 1 and site.kind == "cross_entropy"  # store gives one reduced loss
     return strategy.choose(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
                            reduction=site.reduction if reduced else "none", needs=p.needs,

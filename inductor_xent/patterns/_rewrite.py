@@ -55,7 +55,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     folded: list = []  # negations of a head that the op's output replaces instead
     write = (True,) if plan.returned else ()  # the op writes the logits the graph returns (escape.py)
     needs = plan.needs
-    if how.strategy == "store":  # the reduced loss; its gradients are computed in the same op
+    if how.strategy == "store" and not plan.log_probs_op:  # the reduced loss and its gradients, in one op
         out = e.call(ops.STORE, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
                      0.0, site.reduction, 0, how.budget, *needs, *write)
         site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
@@ -67,8 +67,11 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             ids = e.method("new_zeros", hidden2d, e.method("size", hidden2d, 0), dtype=torch.long)
         else:
             ids = target1d if ii == NO_IGNORE else e.call(torch.where, e.call(operator.eq, target1d, ii), 0, target1d)
-        out = e.call(ops.LOGPROB_FORWARD, hidden2d, weight, bias, ids, NO_IGNORE, scale, cap,
-                     "entropy" in kinds, "argmax" in kinds)
+        lp_args = (hidden2d, weight, bias, ids, NO_IGNORE, scale, cap, "entropy" in kinds, "argmax" in kinds)
+        if how.strategy == "store":  # the exp-logits of as many rows as the budget holds, sized at run time
+            out = e.call(ops.LOGPROB_STORE, *lp_args, 0, how.budget)
+        else:
+            out = e.call(ops.LOGPROB_FORWARD, *lp_args)
         item = functools.cache(lambda i: _dtensor.local(e, e.getitem(out, i)))
         lp = item(0)
         # the cross-entropy is minus the log-probs, 0 on ignored rows (the op ignores none: the entropy

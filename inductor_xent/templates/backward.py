@@ -220,9 +220,14 @@ def grad_weight_chunk(
     out: Tensor,  # (Vc, D) weight dtype: rows of grad_weight
     dz: Tensor,  # (N, Vc) input dtype
     hidden: Tensor,  # (N, D)
+    accumulate: bool = False,
 ) -> None:
-    """out = dzᵀ @ hidden: one GEMM over all N rows with fp32 accumulation, rounded once."""
-    if dz.device.type == "cpu" and dz.dtype != torch.float32:
-        out.copy_(torch.mm(dz.t().float(), hidden.float()))  # CPU (interpreter tests) only
+    """out (+)= dzᵀ @ hidden: one GEMM over all N rows with fp32 accumulation (``out`` added in
+    fp32 too), rounded once."""
+    if dz.device.type == "cpu" and dz.dtype != torch.float32:  # CPU (interpreter tests) only
+        prod = torch.mm(dz.t().float(), hidden.float())
+        out.copy_(out.float() + prod if accumulate else prod)
+    elif accumulate:
+        out.addmm_(dz.t(), hidden)
     else:
         torch.mm(dz.t(), hidden, out=out)

@@ -165,3 +165,20 @@ def dlogits_chunk(n: int, d: int, v: int, itemsize: int, needs_hidden_acc: bool,
     cols = budget // max(1, n * itemsize)
     cols = max(block_n, cols // block_n * block_n)
     return min(cols, -(-v // block_n) * block_n)
+
+
+# The log-prob op's stored backward (launch.backward with ``stored``) reads dz's softmax from memory:
+# no GEMM in its dz pass, so its vocabulary chunk is sized for the two GEMMs alone. Each chunk's
+# grad_hidden GEMM reads and writes the fp32 [N, D] accumulator: at N = 16384, D = 3584 (Qwen2.5-7B)
+# 470 MB per chunk (~0.12 ms at 4 TB/s) against ~0.17 ms of MMA for a 1024-column chunk, the size
+# BWD_EXTRA_BYTES gives there. 256 MiB of dz (8192 columns at that N) cuts that traffic 8x for
+# 5 % of the 4.6 GiB the stored exp-logits take anyway (a model, not a measurement).
+STORED_BWD_CHUNK_BYTES = 256 * 2**20
+
+
+def stored_chunk(n: int, v: int, itemsize: int, block_n: int) -> int:
+    """Vocabulary columns per chunk of the stored log-prob backward: STORED_BWD_CHUNK_BYTES of dz, a
+    multiple of ``block_n`` (the store forward's tile), never more than V needs."""
+    cols = STORED_BWD_CHUNK_BYTES // max(1, n * itemsize)
+    cols = max(block_n, cols // block_n * block_n)
+    return min(cols, -(-v // block_n) * block_n)

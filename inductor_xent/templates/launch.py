@@ -22,7 +22,7 @@ from . import configs, rows
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
 from .configs import KernelConfig
 from .forward import lce_combine_kernel, lce_fwd_kernel
-from .store import lce_store_dz_kernel, lce_store_fwd_kernel, scale_kernel
+from .store import lce_logprob_dz_kernel, lce_store_dz_kernel, lce_store_fwd_kernel, scale_kernel
 
 COMBINE_BLOCK = 16  # rows per combine program
 COMBINE_GROUP = 64  # splits per step of the combine (H200, 4096 rows, 1002 splits: 0.044 ms; 32 x 32 0.069,
@@ -160,13 +160,14 @@ def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
 
 
 def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_split, outs, e=None, st=None,
-                  entropy=None, argmax=None, logits=None, count=None):
+                  entropy=None, argmax=None, logits=None, count=None, e_sech2=True):
     """The forward kernel and the split combine into ``outs`` = (loss, lse, lse_lo) of these rows;
     with ``e`` (the store forward, store.lce_store_fwd_kernel: one split per tile) also the
     exp-logit tiles, and ``st`` the target's sech² under a softcap; with ``entropy`` / ``argmax``
     those of every row; with ``logits`` the raw logit tiles (acc + bias, in its dtype); with
     ``count`` (store only; a (1,) int32 device tensor) only the row blocks holding the first count
-    rows (rows.py). Returns the partials (their plane 0 holds each split's row max)."""
+    rows (rows.py); ``e_sech2`` False keeps E free of the softcap's sech² (the log-prob op's store).
+    Returns the partials (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -183,7 +184,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     if e is not None:
         programs = min(_num_sms(dev), triton.cdiv(n, cfg.block_m) * splits)
         lce_store_fwd_kernel[(programs,)](
-            h_op, w_op, bias, target, part, e, logits, count,
+            h_op, w_op, bias, target, part, arg_part, e, logits, count,
             n, v, d, hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), e.stride(0),
             0 if logits is None else logits.stride(0),
             logit_scale, softcap,
@@ -194,6 +195,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
             NUM_PROGRAMS=programs, FLATTEN=use_tma,  # pointer loads in a flattened loop: 2x slower (NOTES.md)
             HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_V=v % cfg.block_n == 0,
             WRITE_LOGITS=logits is not None, HAS_COUNT=count is not None,
+            NEED_ENTROPY=need_entropy, NEED_ARGMAX=need_argmax, E_SECH2=e_sech2,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     else:
@@ -250,24 +252,37 @@ def backward(
     grad_entropy: Optional[Tensor] = None,  # (N,): the log-prob op's entropy term, with entropy
     entropy: Optional[Tensor] = None,  # (N,) float32
     cfg: Optional[KernelConfig] = None,
+    stored: Optional[tuple[Tensor, Tensor, Tensor]] = None,  # (e (N, V), m (tiles, N), st): log_probs_store's
+    add_to: Optional[tuple[Tensor, Tensor]] = None,  # (grad_weight, grad_bias) of other rows, added into
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(grad_hidden, grad_weight, grad_bias) in the dtypes of hidden, weight, bias; a gradient not
     in ``needs`` is an empty (0,) tensor and is not computed. With ``grad_entropy`` the entropy's
-    gradient ``−grad_entropy·p·(log p + entropy)`` joins dz (backward.py)."""
+    gradient ``−grad_entropy·p·(log p + entropy)`` joins dz (backward.py). With ``stored`` (the
+    log-prob op's exp-logits of these rows, their tile maxima and target sech², log_probs_store)
+    dz comes from them (store.lce_logprob_dz_kernel) instead of recomputed logits: two GEMMs, not
+    three. With ``add_to`` these rows' weight and bias gradients are added into those buffers (the
+    sum rounded once; needed ones only) and returned as them."""
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     n, d = hidden.shape
     v = weight.shape[0]
     grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
-    grad_w = _grad_weight_buffer(weight, need_w)
-    grad_b = torch.empty((v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype,
-                         device=weight.device)
+    if add_to is None:
+        grad_w = _grad_weight_buffer(weight, need_w)
+        grad_b = torch.empty((v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype,
+                             device=weight.device)
+    else:
+        grad_w, grad_b = add_to
     if n == 0 or not (need_h or need_w or need_b):
-        grad_w.zero_()
-        grad_b.zero_()
+        if add_to is None:
+            grad_w.zero_()
+            grad_b.zero_()
         return grad_h, grad_w, grad_b
+    add = add_to is not None
 
     cfg = cfg or configs.dlogits_config(hidden.dtype)
+    if stored is not None:  # the pointwise dz kernel, on the store forward's tiles (its maxima are per tile)
+        cfg = configs.store_dz_config(configs.store_config(hidden.dtype))
     # (N,) and (V,) vectors: a mean's grad_loss arrives expanded (stride 0); copies are tiny
     grad_loss, grad_lse, target, lse, lse_lo = (t.contiguous() for t in (grad_loss, grad_lse, target, lse, lse_lo))
     has_entropy = grad_entropy is not None
@@ -276,7 +291,10 @@ def backward(
     bias = None if bias is None else bias.contiguous()
     precision = _input_precision(hidden.dtype)
     fp32_acc = need_h and hidden.dtype != torch.float32
-    chunk = configs.dlogits_chunk(n, d, v, hidden.element_size(), fp32_acc, cfg.block_n)
+    if stored is None:
+        chunk = configs.dlogits_chunk(n, d, v, hidden.element_size(), fp32_acc, cfg.block_n)
+    else:
+        chunk = configs.stored_chunk(n, v, hidden.element_size(), cfg.block_n)
     num_m = triton.cdiv(n, cfg.block_m)
     # Under the interpreter the kernel writes fp32 and torch rounds: Triton 3.6's interpreter casts
     # fp32 -> bf16 by truncation (measured: mean relative error 2.8e-3 against 1.4e-3 for
@@ -312,40 +330,172 @@ def backward(
         programs = min(tiles, _num_sms(hidden.device)) if DLOGITS_PERSISTENT else tiles
         if skip and need_b:
             dbias.zero_()  # the row blocks past the count are not visited
-        lce_dlogits_kernel[(programs,)](
-            h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias,
-            count if skip else None,
-            n, v, d, v0, cols,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
-            dz.stride(0), dbias.stride(0),
-            int(opts.ignore_index), *_smoothing_coefs(opts, v), logit_scale, softcap, float(opts.z_loss),
-            HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_DBIAS=need_b,
-            HAS_ENTROPY=has_entropy,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
-            DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, NUM_PROGRAMS=programs,
-            HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_C=cols % cfg.block_n == 0,
-            HAS_COUNT=skip,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        if stored is not None:
+            _stored_dz(stored, order if skip else None, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy,
+                       entropy, dz, dbias, count if skip else None, v, v0, cols, opts, cfg)
+        else:
+            lce_dlogits_kernel[(programs,)](
+                h_op, w_op, bias, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias,
+                count if skip else None,
+                n, v, d, v0, cols,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+                dz.stride(0), dbias.stride(0),
+                int(opts.ignore_index), *_smoothing_coefs(opts, v), logit_scale, softcap, float(opts.z_loss),
+                HAS_BIAS=bias is not None, HAS_SOFTCAP=opts.softcap is not None, NEED_DBIAS=need_b,
+                HAS_ENTROPY=has_entropy,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=precision, NUM_STAGES=cfg.num_stages,
+                DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma, NUM_PROGRAMS=programs,
+                HAS_SCALE=logit_scale != 1.0, EVEN_M=n % cfg.block_m == 0, EVEN_C=cols % cfg.block_n == 0,
+                HAS_COUNT=skip,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
         dz = dz.to(hidden.dtype)
         if skip:
             if need_w:
-                rows.rows_mm(grad_w[v0:v0 + cols], dz, hidden, count, bound="k", trans_a=True,
+                rows.rows_mm(grad_w[v0:v0 + cols], dz, hidden, count, bound="k", trans_a=True, accumulate=add,
                              input_precision=precision)
             if need_h:
                 rows.rows_mm(acc, dz, weight[v0:v0 + cols], count, out_rows=order, bound="m", accumulate=True,
                              input_precision=precision)
         else:
             if need_w:
-                grad_weight_chunk(grad_w[v0:v0 + cols], dz, hidden)
+                grad_weight_chunk(grad_w[v0:v0 + cols], dz, hidden, accumulate=add)
             if need_h:
                 accumulate_grad_hidden(acc, dz, weight[v0:v0 + cols], acc_cfg, precision)
         if need_b:
-            grad_b[v0:v0 + cols] = dbias[:, :cols].sum(dim=0)
+            if add:
+                grad_b[v0:v0 + cols] += dbias[:, :cols].sum(dim=0)
+            else:
+                grad_b[v0:v0 + cols] = dbias[:, :cols].sum(dim=0)
     if fp32_acc:
         grad_h.copy_(acc)
     return grad_h, grad_w, grad_b
+
+
+def _stored_dz(stored, order, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias, count,
+               v, v0, cols, opts, cfg):
+    """dz of columns [v0, v0 + cols) from the log-prob op's stored exp-logits (backward's ``stored``)."""
+    e, m, st = stored
+    n = dz.shape[0]
+    lce_logprob_dz_kernel[(triton.cdiv(n, cfg.block_m) * triton.cdiv(cols, cfg.block_n),)](
+        e, m, st if opts.softcap is not None else None, order, target, lse, lse_lo, grad_loss, grad_lse,
+        grad_entropy, entropy, dz, dbias, count,
+        n, e.shape[0], v, v0, cols,
+        e.stride(0), dz.stride(0), dbias.stride(0),
+        int(opts.ignore_index), *_options(opts),
+        HAS_SOFTCAP=opts.softcap is not None, HAS_ENTROPY=grad_entropy is not None, HAS_ORDER=order is not None,
+        NEED_DBIAS=dbias.numel() > 0, HAS_COUNT=count is not None,
+        COUNT_ALIGN=rows.k_step(dz.dtype) if count is not None else 1,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, GROUP_M=cfg.group_m,
+        num_warps=cfg.num_warps,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probabilities, strategy store: the exp-logits of the first S rows kept for the backward
+# ---------------------------------------------------------------------------------------------
+def e_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The stored exp-logits' dtype: fp16 for 16-bit inputs (values in (0, 1]: 11 significant bits
+    where bf16 keeps 8), fp32 for fp32 inputs and under the interpreter (whose fp32 -> 16-bit casts
+    truncate)."""
+    return torch.float32 if config.triton_interpret() or dtype == torch.float32 else torch.float16
+
+
+def store_tile(dtype: torch.dtype) -> int:
+    """The store forward's vocabulary tile for this input dtype (its partials are per tile)."""
+    return configs.store_config(dtype).block_n
+
+
+def stored_empty(like: Tensor, s, v, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Uninitialised ``e`` and ``m`` of log_probs_store for ``s`` stored rows: e (s, V) in
+    ``e_dtype`` with its rows E_ROW_ALIGN elements apart (aligned rows: cuBLAS runs 2-5x slower on an
+    unaligned leading dimension, launch.store), m (tiles, s) fp32. ``s`` and ``v`` may be SymInts
+    (the op's fake): no negative floor division."""
+    tile = store_tile(dtype)
+    e = like.new_empty_strided((s, v), ((v + E_ROW_ALIGN - 1) // E_ROW_ALIGN * E_ROW_ALIGN, 1), dtype=e_dtype(dtype))
+    return e, like.new_empty(((v + tile - 1) // tile, s), dtype=torch.float32)
+
+
+def log_probs_store(
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,) int64
+    opts: LossOptions,  # no label smoothing or z-loss; the temperature folded in
+    need_entropy: bool,
+    need_argmax: bool,
+    store_rows: int,  # S: the first S rows keep their exp-logits (0 <= S <= N)
+) -> tuple[Tensor, ...]:
+    """``log_probs_forward``'s five outputs, plus what the backward of the first ``store_rows`` rows
+    needs instead of recomputing their logits: ``e`` (S, V) their exp-logits E = exp(z − m_tile) per
+    vocabulary tile (``e_dtype``, rows padded: ``stored_empty``), ``m`` (tiles, S) the tile maxima and ``st``
+    (S,) the target's sech² under a softcap (else (0,)). The first S rows run the store forward
+    (store.lce_store_fwd_kernel, E written from the tile's exp: the GEMM and one [S, V] store in 16
+    bits), the other rows the forward kernel. 2·N·D·V FLOPs, as the recompute forward."""
+    n = hidden.shape[0]
+    v = weight.shape[0]
+    dev = hidden.device
+    s = max(0, min(int(store_rows), n))
+    loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
+    entropy = torch.empty(n if need_entropy else 0, dtype=torch.float32, device=dev)
+    argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
+    e, m = stored_empty(hidden, s, v, hidden.dtype)
+    st = torch.empty(s if opts.softcap is not None else 0, dtype=torch.float32, device=dev)
+    for lo, hi, keep in ((0, s, True), (s, n, False)):
+        if hi <= lo:
+            continue
+        sl = slice(lo, hi)
+        extra = dict(entropy=entropy[sl] if need_entropy else None, argmax=argmax[sl] if need_argmax else None)
+        outs = (loss[sl], lse[sl], lse_lo[sl])
+        if keep:  # the stored rows: one split per vocabulary tile, E and the target's sech²
+            cfg = configs.store_config(hidden.dtype)
+            part = _forward_pass(hidden[sl], weight, bias, target[sl], opts, cfg, m.shape[0], 1, outs,
+                                 e=e, st=st if opts.softcap is not None else None, e_sech2=False, **extra)
+            m.copy_(part[0])
+        else:
+            cfg = configs.forward_config(hidden.dtype)
+            _forward_pass(hidden[sl], weight, bias, target[sl], opts, cfg, *_splits(cfg, hidden[sl], v), outs,
+                          **extra)
+    return loss.neg_(), entropy, argmax, lse, lse_lo, e, m, st
+
+
+def log_probs_store_backward(
+    grad_loss: Tensor,  # (N,): −grad_log_probs
+    grad_lse: Tensor,  # (N,)
+    hidden: Tensor,  # (N, D)
+    weight: Tensor,  # (V, D)
+    bias: Optional[Tensor],  # (V,)
+    target: Tensor,  # (N,) int64
+    lse: Tensor,  # (N,) float32
+    lse_lo: Tensor,  # (N,) float32
+    opts: LossOptions,
+    needs: tuple[bool, bool, bool],
+    *,
+    grad_entropy: Optional[Tensor],  # (N,) with entropy, or None
+    entropy: Optional[Tensor],  # (N,) float32
+    e: Tensor,  # (S, V) log_probs_store's
+    m: Tensor,  # (tiles, S)
+    st: Tensor,  # (S,) or (0,)
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The log-prob op's gradients with its first S = e.shape[0] rows' dz from their stored
+    exp-logits (``backward`` with ``stored``: two GEMMs) and the other rows' from recomputed logits
+    (``backward``: three). Where both parts run, the recomputed rows go first and the stored rows'
+    weight and bias gradients are added into theirs (``add_to``: one [V, D] buffer; each sum
+    rounded once, the rounding of two row chunks: strategy.py's rule)."""
+    n, s = hidden.shape[0], e.shape[0]
+    grads = None
+    for lo, hi, kept in ((s, n, False), (0, s, True)):
+        if hi <= lo and (hi > 0 or grads is not None):  # (no rows at all: one empty call below)
+            continue
+        sl = slice(lo, hi)
+        ent = dict(grad_entropy=None if grad_entropy is None else grad_entropy[sl],
+                   entropy=None if entropy is None else entropy[sl])
+        part = backward(grad_loss[sl], grad_lse[sl], hidden[sl], weight, bias, target[sl], lse[sl], lse_lo[sl], opts,
+                        needs, stored=(e, m, st) if kept else None, add_to=None if grads is None else grads[1:], **ent)
+        # the stored rows come first in grad_hidden
+        grads = part if grads is None else (torch.cat((part[0], grads[0])) if needs[0] else part[0], *part[1:])
+    return grads
 
 
 # ---------------------------------------------------------------------------------------------
