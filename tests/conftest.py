@@ -1,5 +1,6 @@
 """Shared fixtures, the ``--zoo`` option (tests marked ``zoo``, the whole transformers sweep, ~20
-minutes on 2 cores, run only when it is given), and Triton's interpreter on a machine without a GPU."""
+minutes on 2 cores, run only when it is given), Triton's interpreter on a machine without a GPU, and
+on a GPU the memory etiquette of parallel test processes."""
 
 import os
 
@@ -13,6 +14,48 @@ import torch
 # CUDA tests of the same session run the real kernels.
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+# On a GPU, pytest-xdist runs one process per core (16 on the GPU box), each with its own CUDA caching
+# allocator. Memory one test frees stays reserved in its worker unless released, and the tests marked
+# ``cuda`` (test_gpu_kernels: Llama-3-sized heads, 4 GiB of NaN poison each) each reserve several GiB:
+# on an 80 GiB H100 sixteen of them at once ran the GPU out of memory (this session: 131 tests failed
+# with CUDA OOM, none on the 141 GiB H200 before). So every test gives its cached blocks back when it
+# ends, and at most CUDA_SLOTS tests marked ``cuda`` run at once (a file-lock semaphore across workers).
+CUDA_SLOTS = 4
+_SLOT_DIR = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"inductor_xent_cuda_slots_{os.getuid()}")
+
+
+@pytest.fixture(autouse=True)
+def _cuda_memory_etiquette(request):
+    if not torch.cuda.is_available():
+        yield
+        return
+    slot = _take_cuda_slot() if request.node.get_closest_marker("cuda") else None
+    try:
+        yield
+    finally:
+        if torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if slot is not None:
+            slot.close()  # closing the file releases its lock
+
+
+def _take_cuda_slot():
+    import fcntl
+    import time
+
+    os.makedirs(_SLOT_DIR, exist_ok=True)
+    while True:
+        for i in range(CUDA_SLOTS):
+            f = open(os.path.join(_SLOT_DIR, f"slot{i}"), "w")
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return f
+            except OSError:
+                f.close()
+        time.sleep(0.05)
 
 
 def pytest_addoption(parser):

@@ -180,16 +180,17 @@ def test_log_probs_store_strategy_agrees_with_recompute(impl, monkeypatch):
     strategy.MIN_CHUNK_ROWS rows the plan asks for; the chunked path keeps none), eagerly and compiled
     (test_templates and test_ops cover a partial store)."""
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    dev = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"  # Triton: the GPU, or interpreted
     g = torch.Generator().manual_seed(7)
-    h = torch.randn(3, 10, 8, generator=g, requires_grad=True)
-    w = torch.randn(61, 8, generator=g, requires_grad=True)
-    y = torch.randint(0, 61, (3, 10), generator=g)
+    h = torch.randn(3, 10, 8, generator=g).to(dev).requires_grad_()
+    w = torch.randn(61, 8, generator=g).to(dev).requires_grad_()
+    y = torch.randint(0, 61, (3, 10), generator=g).to(dev)
     y[0, :4] = -100
     from inductor_xent import strategy
 
     budget = strategy.MIN_CHUNK_ROWS * strategy.logprob_row_bytes(61, 4)
     kw = dict(temperature=0.7, softcap=4.0, entropy=True, argmax=True)
-    ups = [torch.randn(3, 10, generator=g) for _ in range(2)]
+    ups = [torch.randn(3, 10, generator=g).to(dev) for _ in range(2)]
 
     def run(fn):
         out = fn(h, w)

@@ -16,12 +16,12 @@ from inductor_xent.ops import STORE
 from .helpers import assert_all_smaller
 
 
-def _args(n=13, d=7, v=23, dtype=torch.float32, bias=True, seed=0):
+def _args(n=13, d=7, v=23, dtype=torch.float32, bias=True, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    h = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    w = torch.randn(v, d, generator=g).to(dtype).requires_grad_()
-    b = torch.randn(v, generator=g).to(dtype).requires_grad_() if bias else None
-    y = torch.randint(0, v, (n,), generator=g)
+    h = torch.randn(n, d, generator=g).to(device, dtype).requires_grad_()
+    w = torch.randn(v, d, generator=g).to(device, dtype).requires_grad_()
+    b = torch.randn(v, generator=g).to(device, dtype).requires_grad_() if bias else None
+    y = torch.randint(0, v, (n,), generator=g).to(device)
     y[::4] = -100
     return h, w, b, y
 
@@ -88,9 +88,10 @@ def test_opcheck_log_probs_backward(with_entropy, needs):
     assert gb.shape == ((23,) if needs[2] else (0,))
 
 
-# (implementation, stored rows): the chunked path keeps nothing; the Triton kernels (interpreter)
-# keep every row's exp-logits, or the first 5 of 13 and recompute the rest
+# (implementation, stored rows): the chunked path keeps nothing; the Triton kernels (on the GPU, or
+# interpreted on CPU) keep every row's exp-logits, or the first 5 of 13 and recompute the rest
 LP_STORE_CASES = [("chunked", 0), ("triton", 13), ("triton", 5)]
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # where INDUCTOR_XENT_IMPL=triton runs
 
 
 @pytest.mark.parametrize("impl, rows", LP_STORE_CASES)
@@ -100,7 +101,7 @@ def test_opcheck_log_probs_store(impl, rows, softcap, need_entropy, need_argmax,
     """The store op's schema, fake shapes (e, m, st sized from store_rows, or empty on the chunked
     path) and autograd; its outputs equal the recompute op's and its e keeps the asked rows."""
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
-    h, w, b, y = _args()
+    h, w, b, y = _args(device=TRITON_DEVICE if impl == "triton" else "cpu")
     args = (h, w, b, y, -100, 1.4, softcap, need_entropy, need_argmax, rows, "1x")
     torch.library.opcheck(LP_STORE, args)
     out, ref = LP_STORE(*args), LP_FWD(*args[:9])
@@ -116,11 +117,11 @@ def test_opcheck_log_probs_store(impl, rows, softcap, need_entropy, need_argmax,
 def test_opcheck_log_probs_store_backward(impl, rows, with_entropy, needs, monkeypatch):
     """The store backward op against the recompute backward op: the same gradients (to rounding)."""
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
-    h, w, b, y = _args()
+    h, w, b, y = _args(device=TRITON_DEVICE if impl == "triton" else "cpu")
     with torch.no_grad():
         _, ent, _, lse, lse_lo, e, m, st = LP_STORE(h, w, b, y, -100, 0.7, 3.0, True, False, rows, "1x")
     g = torch.Generator().manual_seed(1)
-    g_lp, g_ent, g_lse = (torch.randn(13, generator=g) for _ in range(3))
+    g_lp, g_ent, g_lse = (torch.randn(13, generator=g).to(h.device) for _ in range(3))
     head = (g_lp, g_ent if with_entropy else None, g_lse, h.detach(), w.detach(), b.detach(), y, lse, lse_lo,
             ent if with_entropy else None)
     tail = (-100, 0.7, 3.0, *needs)
