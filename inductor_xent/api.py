@@ -67,12 +67,7 @@ def linear_cross_entropy(
     target1d = target.reshape(-1)
     options = (int(ignore_index), float(label_smoothing), float(logit_scale),
                None if softcap is None else float(softcap), float(z_loss))
-    grad = torch.is_grad_enabled()
-    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
-             grad and bias is not None and bias.requires_grad)
-    if store_budget is not None:
-        config.parse_budget(store_budget)  # a clear error for the value as given
-    budget = str(store_budget) if store_budget is not None else config.store_budget()
+    needs, budget = _needs_and_budget(hidden, weight, bias, store_budget)
     which = _choose(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
                   float(label_smoothing), softcap, strategy, budget, hidden2d.device.type)
     if which == "store":  # chunks sized by the op at run time, from the budget
@@ -162,12 +157,7 @@ def linear_log_probs(
     scale, cap = fold_temperature(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     args = (hidden2d, weight, bias, target.reshape(-1), int(ignore_index), scale, cap, entropy, argmax)
-    grad = torch.is_grad_enabled()
-    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
-             grad and bias is not None and bias.requires_grad)
-    if store_budget is not None:
-        config.parse_budget(store_budget)  # a clear error for the value as given
-    budget = str(store_budget) if store_budget is not None else config.store_budget()
+    needs, budget = _needs_and_budget(hidden, weight, bias, store_budget)
     if _choose_log_probs(*_sizes(hidden2d, weight), hidden2d.dtype, needs, strategy, budget,
                          hidden2d.device.type) == "store":  # rows sized by the op at run time, from the budget
         log_probs, ent, arg, *_ = ops.LOGPROB_STORE(*args, 0, budget)
@@ -175,6 +165,17 @@ def linear_log_probs(
         log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args)
     shape = target.shape
     return LogProbs(log_probs.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
+
+
+def _needs_and_budget(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], store_budget) -> tuple:
+    """(which of hidden, weight, bias autograd will ask gradients for; the store budget as the op
+    takes it, ``config``'s unless given, checked here for a clear error)."""
+    grad = torch.is_grad_enabled()
+    needs = (grad and hidden.requires_grad, grad and weight.requires_grad,
+             grad and bias is not None and bias.requires_grad)
+    if store_budget is not None:
+        config.parse_budget(store_budget)
+    return needs, str(store_budget) if store_budget is not None else config.store_budget()
 
 
 @torch.compiler.assume_constant_result

@@ -433,6 +433,11 @@ def linear_logprob_fwd(
 
 @linear_logprob_fwd.register_fake
 def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax):
+    return _lp_fakes(hidden, need_entropy, need_argmax)
+
+
+def _lp_fakes(hidden: Tensor, need_entropy: bool, need_argmax: bool) -> tuple[Tensor, ...]:
+    """(log_probs, entropy, argmax, lse, lse_lo) as both log-prob forward ops return them."""
     cd = compute_dtype(hidden.dtype)
     n = hidden.shape[0]
     return (
@@ -566,18 +571,9 @@ def _stored_fakes(hidden: Tensor, weight: Tensor, softcap: Optional[float], rows
 
 @linear_logprob_store.register_fake
 def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax, store_rows, budget):
-    cd = compute_dtype(hidden.dtype)
-    n = hidden.shape[0]
-    rows = strategy.logprob_store_rows(n, weight.shape[0], hidden.dtype, budget, store_rows) \
+    rows = strategy.logprob_store_rows(hidden.shape[0], weight.shape[0], hidden.dtype, budget, store_rows) \
         if use_triton(hidden) else 0
-    return (
-        hidden.new_empty((n,), dtype=cd),
-        hidden.new_empty((n if need_entropy else 0,), dtype=cd),
-        hidden.new_empty((n if need_argmax else 0,), dtype=torch.long),
-        hidden.new_empty((n,), dtype=cd),
-        hidden.new_empty((n,), dtype=cd),
-        *_stored_fakes(hidden, weight, softcap, rows),
-    )
+    return (*_lp_fakes(hidden, need_entropy, need_argmax), *_stored_fakes(hidden, weight, softcap, rows))
 
 
 @torch.library.custom_op("inductor_xent::linear_logprob_store_bwd", mutates_args=())

@@ -406,22 +406,25 @@ def test_grpo_log_probs_fused_and_exact(dtype):
     assert counters["inductor_xent"]["sites_declined"] == 0
 
 
-def test_grpo_step_compiled_whole():
-    """The whole step compiled: one log-probs op for log-probs, entropy and accuracy; loss,
-    accuracy and gradients as eager's; no [N, V] tensor in AOTAutograd's graphs."""
-    bsz, seq, d, v = 2, 11, 16, 97
-    g = torch.Generator().manual_seed(3)
+def _whole_step_problem(seed, bsz=2, seq=11, d=16, v=97):
+    """(hidden, weight, the step's other arguments) of _grpo_step: a rollout's log-probs, offsets, advantages, mask."""
+    g = torch.Generator().manual_seed(seed)
     h = torch.randn(bsz, seq, d, generator=g, requires_grad=True)
     w = (torch.randn(v, d, generator=g) * (3 / d**0.5)).requires_grad_()
     y = torch.randint(0, v, (bsz, seq), generator=g)
-    batch = grpo_batch(bsz, seq, seed=4)
+    batch = grpo_batch(bsz, seq, seed=seed + 1)
     with torch.no_grad():
         rollout = eager_log_probs(h, w, y, temperature=TEMP)[0]
-    args = (y, rollout + batch["old_offset"], rollout + batch["ref_offset"], batch["advantages"], batch["mask"])
-    aot = AotEagerAndRecordGraphs()
+    return h, w, (y, rollout + batch["old_offset"], rollout + batch["ref_offset"], batch["advantages"], batch["mask"])
+
+
+def _check_whole_step(h, w, args, **options):
+    """_grpo_step compiled with the pass (``options`` its strategy knobs) then AOTAutograd's graphs
+    recorded: loss, accuracy and gradients as eager's. Returns (the recorder, the pass's sites)."""
+    aot, sites = AotEagerAndRecordGraphs(), []
 
     def backend(gm, example_inputs):
-        patterns.run(gm)
+        sites.extend(patterns.run(gm, **options))
         return aot(gm, example_inputs)
 
     loss, acc = torch.compile(_grpo_step, backend=backend)(h, w, *args)
@@ -431,6 +434,15 @@ def test_grpo_step_compiled_whole():
     assert torch.equal(acc, want_acc)
     for a, b in zip(got, torch.autograd.grad(want_loss, (h, w))):
         torch.testing.assert_close(a, b)
+    return aot, sites
+
+
+def test_grpo_step_compiled_whole():
+    """The whole step compiled: one log-probs op for log-probs, entropy and accuracy; loss,
+    accuracy and gradients as eager's; no [N, V] tensor in AOTAutograd's graphs."""
+    bsz, seq, v = 2, 11, 97
+    h, w, args = _whole_step_problem(3)
+    aot, _ = _check_whole_step(h, w, args)
     assert counters["inductor_xent"]["sites_fused"] == 1
     assert [targets(gr).count(ops.LOGPROB_FORWARD) for gr in aot.fw_graphs] == [1]
     assert_all_smaller(aot.fw_graphs + aot.bw_graphs, bsz * seq * v)
@@ -446,29 +458,8 @@ def test_grpo_step_compiled_whole_store(impl, monkeypatch):
     row (the Triton kernels, interpreted) or nothing (the chunked path) and the backward is its store
     backward op; loss, accuracy and gradients as eager's."""
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
-    bsz, seq, d, v = 2, 11, 16, 97
-    g = torch.Generator().manual_seed(5)
-    h = torch.randn(bsz, seq, d, generator=g, requires_grad=True)
-    w = (torch.randn(v, d, generator=g) * (3 / d**0.5)).requires_grad_()
-    y = torch.randint(0, v, (bsz, seq), generator=g)
-    batch = grpo_batch(bsz, seq, seed=6)
-    with torch.no_grad():
-        rollout = eager_log_probs(h, w, y, temperature=TEMP)[0]
-    args = (y, rollout + batch["old_offset"], rollout + batch["ref_offset"], batch["advantages"], batch["mask"])
-    aot = AotEagerAndRecordGraphs()
-    sites = []
-
-    def backend(gm, example_inputs):
-        sites.extend(patterns.run(gm, strategy="store", store_budget="1GiB"))
-        return aot(gm, example_inputs)
-
-    loss, acc = torch.compile(_grpo_step, backend=backend)(h, w, *args)
-    got = torch.autograd.grad(loss, (h, w))
-    want_loss, want_acc = _grpo_step(h, w, *args)
-    torch.testing.assert_close(loss, want_loss)
-    assert torch.equal(acc, want_acc)
-    for a, b in zip(got, torch.autograd.grad(want_loss, (h, w))):
-        torch.testing.assert_close(a, b)
+    h, w, args = _whole_step_problem(5)
+    aot, sites = _check_whole_step(h, w, args, strategy="store", store_budget="1GiB")
     (site,) = sites
     assert site.strategy == "store" and "exp-logits of 22 of 22 rows" in site.strategy_reason, site
     assert [targets(gr).count(ops.LOGPROB_STORE) for gr in aot.fw_graphs] == [1]
