@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU box, in as few device calls as possible. Steps (comma-separated):
 #   tests   the README's test command, the whole suite (python3 -m pytest -q), CUDA tests included
-#   gputests  only the files whose tests run kernels on the GPU (when a call has little time)
+#   gputests  only the files whose tests run kernels on the GPU (when a call has little time; GPUTESTS_FILES,
+#           GPUTESTS_S override)
 #   dynamotests  only the files whose tests depend on how Dynamo traces (zoo subset, models, backend, explain)
 #   store   the store strategy's weight-gradient accumulation options (bench kernels --store-options)
 #   quick   bench kernels, gauss, the main methods and Liger, all three shapes
@@ -86,8 +87,9 @@ for step in ${STEPS//,/ }; do
     case $step in
         tests) echo "+ $TESTS"; timeout ${TESTS_S:-430} $TESTS -p no:cacheprovider --tb=short --durations=12 2>&1 | tee "$OUT/pytest.log" \
                    | grep -vE "^\.|^\s*$" | tail -40 ;;
-        gputests) timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short tests/test_gpu_kernels.py \
-                   tests/test_templates.py 2>&1 | tee "$OUT/pytest_gpu.log" | grep -vE "^\.|^\s*$" | tail -30 ;;
+        gputests) timeout ${GPUTESTS_S:-200} python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short \
+                   ${GPUTESTS_FILES:-tests/test_gpu_kernels.py tests/test_templates.py} 2>&1 | tee "$OUT/pytest_gpu.log" \
+                   | grep -vE "^\.|^\s*$" | tail -30 ;;
         dynamotests) timeout 250 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short tests/test_zoo.py \
                    tests/test_models.py tests/test_backend.py tests/test_explain.py 2>&1 | tee "$OUT/pytest_dynamo.log" \
                    | grep -vE "^\.|^\s*$" | tail -30 ;;
