@@ -139,6 +139,16 @@ def nested_graph_breaks() -> bool:
     return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", True)
 
 
+def batch_invariant() -> bool:
+    """``INDUCTOR_XENT_BATCH_INVARIANT``: ``1`` makes every row's forward values (loss, log-probs,
+    entropy, argmax, logsumexp) on the Triton path the same bits whatever the batch around it: the
+    forward walks the vocabulary in splits of a fixed size (``configs.BATCH_INVARIANT_TILES`` tiles),
+    not in a split chosen from N and the GPU's SM count, and the log-prob op recomputes (its store
+    keeps a number of rows that depends on N). For an RL trainer and a rollout engine that must agree
+    bit for bit. ``0`` (default): the split that the cost model picks."""
+    return _switch("INDUCTOR_XENT_BATCH_INVARIANT", False)
+
+
 def skip_ignored_rows() -> bool:
     """``INDUCTOR_XENT_SKIP_IGNORED``: ``1`` (default) lets the kernels skip the rows whose outputs
     are known to be zero (a cross-entropy's ``ignore_index`` rows): the valid rows are moved first on

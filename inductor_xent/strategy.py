@@ -225,6 +225,9 @@ def choose_log_probs(
         return GradientPlan("recompute", reason="strategy='recompute'")
     if not any(needs):
         return GradientPlan("recompute", reason="store cannot run: no gradient is needed")
+    if config.batch_invariant():  # the rows store keeps (a budget's share of N) would decide a row's bits
+        return GradientPlan("recompute", reason="batch-invariant (INDUCTOR_XENT_BATCH_INVARIANT=1): store keeps "
+                                                "a number of rows that depends on the batch")
     if strategy == "auto" and device != "cuda":
         return GradientPlan("recompute", reason="the log-prob op stores on CUDA only (the chunked path recomputes)")
     if strategy == "auto" and d < STORE_MIN_D_CUDA:

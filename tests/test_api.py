@@ -173,6 +173,19 @@ def test_log_probs_strategy_plan():
     assert strategy.choose_log_probs(*args, needs=(False, False, False), device="cuda").strategy == "recompute"
 
 
+def test_batch_invariant_log_probs_recompute(monkeypatch):
+    """Under INDUCTOR_XENT_BATCH_INVARIANT=1 the log-prob op recomputes, even asked for store: the
+    rows store keeps are a budget's share of N, so a row's path (and bits) would follow the batch."""
+    from inductor_xent import strategy
+
+    monkeypatch.setenv("INDUCTOR_XENT_BATCH_INVARIANT", "1")
+    plan = strategy.choose_log_probs(16384, 3584, 152064, torch.bfloat16, needs=(True, True, False), strategy="store")
+    assert plan.strategy == "recompute" and "batch-invariant" in plan.reason, plan
+    monkeypatch.setenv("INDUCTOR_XENT_BATCH_INVARIANT", "maybe")
+    with pytest.raises(ValueError, match="INDUCTOR_XENT_BATCH_INVARIANT='maybe'"):
+        strategy.choose_log_probs(16384, 3584, 152064, torch.bfloat16, needs=(True, True, False))
+
+
 @pytest.mark.parametrize("impl", ["triton", "chunked"])
 def test_log_probs_store_strategy_agrees_with_recompute(impl, monkeypatch):
     """linear_log_probs(strategy="store") gives the recompute strategy's values and gradients, through

@@ -285,6 +285,21 @@ def test_log_probs_every_option(dtype, strategy):
                       strategy)
 
 
+def test_log_probs_batch_invariant(monkeypatch):
+    """INDUCTOR_XENT_BATCH_INVARIANT=1 (issue 25): 300 rows' log-probs, entropy and argmax alone and
+    inside a shuffled batch of 4096 rows are the same bits (the vocabulary split no longer follows N:
+    without the switch 300 and 4096 rows take different splits here)."""
+    h, w, _, t = make(4096, 1024, 128256, torch.bfloat16, seed=5)
+    monkeypatch.setenv("INDUCTOR_XENT_BATCH_INVARIANT", "1")
+    order = torch.randperm(4096, generator=torch.Generator().manual_seed(6)).cuda()
+    kw = dict(temperature=0.7, entropy=True, argmax=True)
+    alone = inductor_xent.linear_log_probs(h[:300], w, t[:300], **kw)
+    inside = inductor_xent.linear_log_probs(h[order], w, t[order], **kw)
+    where = torch.argsort(order)[:300]
+    for a, c in zip(alone, inside):
+        assert torch.equal(a, c[where])
+
+
 @pytest.mark.parametrize("strategy", ["recompute", "store"])
 def test_log_probs_deterministic_and_cuda_graph(strategy):
     """Bitwise the same twice, and captured once and replayed (no host syncs)."""

@@ -757,6 +757,30 @@ def test_log_probs_store_never_reads_rows_without_gradient(monkeypatch):
     assert grads(h, t, *ups)[1].isnan().any()
 
 
+def test_batch_invariant_forward(monkeypatch):
+    """INDUCTOR_XENT_BATCH_INVARIANT=1 (issue 25): each row's log-prob, entropy, argmax and
+    logsumexp are the same bits computed in a batch of 21 rows and inside batches of 64 and 100 rows
+    at shuffled positions; without it the vocabulary split follows N (checked: the test would not
+    show anything if the splits agreed anyway)."""
+    monkeypatch.setattr(launch, "_num_sms", lambda device: 64)  # room for N-dependent splits
+    v = 701 if not CUDA else 50257
+    h, w, b, t = make_inputs(n=100, v=v, dtype=torch.bfloat16, bias=True, scale=3.0, seed=41)
+    cfg = configs.forward_config(h.dtype)
+    assert launch._splits(cfg, h[:21], v) != launch._splits(cfg, h, v)
+    monkeypatch.setenv("INDUCTOR_XENT_BATCH_INVARIANT", "1")
+    assert launch._splits(cfg, h[:21], v) == launch._splits(cfg, h, v)
+    o = _lp_opts(temperature=0.7, softcap=5.0)
+    alone = launch.log_probs_forward(h[:21], w, b, t[:21], o, True, True)
+    for n, seed in ((64, 42), (100, 43)):
+        g = torch.Generator().manual_seed(seed)
+        others = 21 + torch.randperm(79, generator=g)[:n - 21]
+        order = torch.cat([torch.arange(21), others])[torch.randperm(n, generator=g)].to(DEVICE)
+        inside = launch.log_probs_forward(h[order], w, b, t[order], o, True, True)
+        where = (order[:, None] == torch.arange(21, device=DEVICE)).int().argmax(0)  # row r's position
+        for a, c in zip(alone, inside):
+            assert torch.equal(a, c[where]), n
+
+
 def test_log_probs_many_splits_and_chunks(monkeypatch):
     """The entropy and argmax partials combined over 5 vocabulary splits, the backward in chunks
     of one tile; without an lse gradient (the usual RL case)."""

@@ -82,6 +82,11 @@ ACC_MM_TABLE: dict[int, str] = {2: "m128n128k64w8s3", 4: "m64n128k32w4s3"}
 # FORWARD_PARTIAL_BYTES of (row, split) partials. On the H200 (bf16, llama3-8b shape, one run each)
 # 4 tiles per program took 14.07 ms, 1 tile 14.23 ms, and 251 tiles (2 splits, one wave of 128
 # programs on 132 SMs) 14.53 ms: the per-program ramp is small against the wave quantisation.
+# config.batch_invariant(): the forward's vocabulary split is this many tiles whatever N and the SM
+# count, so that a row's partials and their combine order never depend on the batch. 4 tiles per
+# program was within 1 % of the model's split at the llama3-8b shape (14.07 ms against 14.23 for one
+# tile, above); its cost at other shapes is not measured.
+BATCH_INVARIANT_TILES = 4
 FORWARD_MAX_WAVES = 64
 FORWARD_PARTIAL_BYTES = 64 * 2**20
 FORWARD_RAMP_TILES = 0.1  # pipeline fill + partial write of one program, in units of one tile

@@ -149,11 +149,12 @@ def log_probs_forward(
 
 def _splits(cfg: KernelConfig, hidden: Tensor, v: int) -> tuple[int, int]:
     """(splits, tiles per split) of the forward's vocabulary walk (configs.vocab_split's model,
-    or the config's fixed split_tiles)."""
+    or the config's fixed split_tiles, or configs.BATCH_INVARIANT_TILES under config.batch_invariant)."""
     n = hidden.shape[0]
     num_tiles = triton.cdiv(v, cfg.block_n)
-    if cfg.split_tiles:
-        tiles_per_split = min(cfg.split_tiles, num_tiles)
+    split_tiles = cfg.split_tiles or (configs.BATCH_INVARIANT_TILES if config.batch_invariant() else 0)
+    if split_tiles:  # a fixed split: a row's partials and their combine order do not depend on N
+        tiles_per_split = min(split_tiles, num_tiles)
         return triton.cdiv(num_tiles, tiles_per_split), tiles_per_split
     return configs.vocab_split(triton.cdiv(n, cfg.block_m), num_tiles, _num_sms(hidden.device) * cfg.ctas_per_sm,
                                num_rows=n)
