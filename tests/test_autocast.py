@@ -201,3 +201,34 @@ def test_cuda_autocast_through_inductor(strategy):
     for k in same_g:
         assert ours_g[k].dtype == torch.float32
         assert_within_torch_error(ours_g[k], same_g[k], exact_g[k], what=f"grad {k}")
+
+
+def _rl_head(x, W, yv, adv, **_):
+    """An actor's heads as RL code writes them: log-probs of the sampled tokens at a temperature and
+    the entropy, weighted per token (advantages) and summed."""
+    logp = F.log_softmax(F.linear(x, W).float() / 0.7, -1)
+    lp = logp.gather(-1, yv[..., None]).squeeze(-1)
+    return (lp * adv - 0.01 * (logp.exp() * logp).sum(-1)).sum()
+
+
+@pytest.mark.parametrize("impl", [
+    pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason=(
+        "CPU tensors run the Triton kernels only interpreted (no GPU)"))),
+    "chunked"])
+def test_log_prob_store_under_autocast(impl, monkeypatch):
+    """The log-prob op's store (issue 24) under autocast bf16 with fp32 parameters: the op gets the
+    bf16 operands, keeps their exp-logits (the Triton kernels) or nothing (the chunked path), and the
+    loss and both gradients are within eager autocast's error of float64."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    inputs = autocast_representable(make_inputs(), torch.bfloat16)
+    ins = {k: inputs[k] for k in ("x", "W", "yv")}
+    ins["adv"] = torch.randn(inputs["yv"].shape, generator=torch.Generator().manual_seed(3))
+    rec = Recorder(**{"xent.strategy": "store", "xent.store_budget": "1GiB"})
+    ours, ours_g = autocast_loss_and_grads(_rl_head, leaves(ins), autocast=torch.bfloat16, backend=rec)
+    same, same_g = autocast_loss_and_grads(_rl_head, leaves(ins), autocast=torch.bfloat16)
+    exact, exact_g = autocast_exact(_rl_head, ins)
+    assert rec.after[0].count(ops.LOGPROB_STORE) == 1, rec.code_after[0]
+    assert_within_torch_error(ours, same, exact, what="loss")
+    for k in same_g:
+        assert ours_g[k].dtype == torch.float32
+        assert_within_torch_error(ours_g[k], same_g[k], exact_g[k], what=f"grad {k}")
