@@ -166,8 +166,13 @@ def dlogits_chunk(n: int, d: int, v: int, itemsize: int, needs_hidden_acc: bool,
     """Vocabulary columns per backward chunk: the dlogits chunk and the accumulator fit in
     BWD_EXTRA_BYTES; a multiple of the kernel's block_n; never more than V needs."""
     acc = n * d * 4 if needs_hidden_acc else 0
-    budget = max(BWD_MIN_CHUNK_BYTES, BWD_EXTRA_BYTES - acc)
-    cols = budget // max(1, n * itemsize)
+    return _chunk_columns(max(BWD_MIN_CHUNK_BYTES, BWD_EXTRA_BYTES - acc), n, v, itemsize, block_n)
+
+
+def _chunk_columns(chunk_bytes: int, n: int, v: int, itemsize: int, block_n: int) -> int:
+    """The columns of an [n, cols] chunk of ``itemsize``-byte elements within ``chunk_bytes``: a
+    multiple of block_n, at least one block, never more than V needs."""
+    cols = chunk_bytes // max(1, n * itemsize)
     cols = max(block_n, cols // block_n * block_n)
     return min(cols, -(-v // block_n) * block_n)
 
@@ -184,6 +189,4 @@ STORED_BWD_CHUNK_BYTES = 256 * 2**20
 def stored_chunk(n: int, v: int, itemsize: int, block_n: int) -> int:
     """Vocabulary columns per chunk of the stored log-prob backward: STORED_BWD_CHUNK_BYTES of dz, a
     multiple of ``block_n`` (the store forward's tile), never more than V needs."""
-    cols = STORED_BWD_CHUNK_BYTES // max(1, n * itemsize)
-    cols = max(block_n, cols // block_n * block_n)
-    return min(cols, -(-v // block_n) * block_n)
+    return _chunk_columns(STORED_BWD_CHUNK_BYTES, n, v, itemsize, block_n)

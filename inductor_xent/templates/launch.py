@@ -584,13 +584,11 @@ def store(
     fp32_acc = fp32_accumulate and need_w
     acc_w = torch.zeros(weight.shape, dtype=torch.float32, device=dev) if fp32_acc else None
     interpret = config.triton_interpret()
-    # E in fp16 for 16-bit inputs (values in (0, 1]: 11 significant bits), fp32 for fp32 inputs and
-    # under the interpreter (whose fp32 -> 16-bit casts truncate: torch rounds there instead)
-    e_dtype = torch.float32 if interpret or hidden.dtype == torch.float32 else torch.float16
+    e_type = e_dtype(hidden.dtype)  # fp16 for 16-bit inputs, fp32 for fp32 and under the interpreter
     # rows padded to a multiple of E_ROW_ALIGN elements: cuBLAS runs dz·W and dzᵀ·h 2-5x slower
     # on an unaligned leading dimension (V = 50257: the dW GEMM took 13 ms instead of ~3)
-    e_buf = torch.empty((chunk, -(-v // E_ROW_ALIGN) * E_ROW_ALIGN), dtype=e_dtype, device=dev)[:, :v]
-    dz_dtype = e_dtype if interpret else hidden.dtype
+    e_buf = torch.empty((chunk, -(-v // E_ROW_ALIGN) * E_ROW_ALIGN), dtype=e_type, device=dev)[:, :v]
+    dz_dtype = e_type if interpret else hidden.dtype
     need_st = opts.softcap is not None
     st = torch.empty(n if need_st else 0, dtype=torch.float32, device=dev)
     dz_cfg = configs.store_dz_config(cfg)
@@ -617,7 +615,7 @@ def store(
         part = _forward_pass(h_c, weight, bias, t_c, opts, cfg, num_tiles, 1,
                              (rows_loss[sl], lse[sl], lse_lo[sl]), e=e, st=st[sl] if need_st else None,
                              logits=None if logits is None else logits[sl], count=cnt)
-        dz = e.view(dz_dtype) if dz_dtype.itemsize == e_dtype.itemsize else e
+        dz = e.view(dz_dtype) if dz_dtype.itemsize == e_type.itemsize else e
         lce_store_dz_kernel[(triton.cdiv(m, dz_cfg.block_m) * num_tiles,)](
             e, dz, part, t_c, lse[sl], lse_lo[sl], st[sl] if need_st else None, g[sl], dbias, cnt,
             m, v,
