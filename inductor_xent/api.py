@@ -160,7 +160,10 @@ def linear_log_probs(
     needs, budget = _needs_and_budget(hidden, weight, bias, store_budget)
     if _choose_log_probs(*_sizes(hidden2d, weight), hidden2d.dtype, needs, strategy, budget,
                          hidden2d.device.type) == "store":  # rows sized by the op at run time, from the budget
-        log_probs, ent, arg, *_ = ops.LOGPROB_STORE(*args, 0, budget)
+        # eagerly through consuming_stored (e, m, st are dropped here: the backward may write dz
+        # over e); compiled, DonatedScale does that where autograd donates e
+        run = ops.LOGPROB_STORE if torch.compiler.is_compiling() else ops.consuming_stored
+        log_probs, ent, arg, *_ = run(*args, 0, budget)
     else:
         log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args)
     shape = target.shape

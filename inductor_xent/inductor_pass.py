@@ -15,7 +15,8 @@
   into both the FX-graph and the AOTAutograd cache keys: editing our backward (which is not in the
   Dynamo graph, so no other key sees it) or our kernels can never replay stale compiled code.
 * ``DonatedScale``: a ``post_grad_custom_post_pass`` (backend and ``install()``) that lets a
-  compiled backward of the store strategy scale its donated saved gradients in place.
+  compiled backward of the store strategy scale its donated saved gradients in place, and the
+  log-prob store's write its dz over its donated exp-logits.
 
 Both compose with the user's own passes through ``compat.add_pass`` (one callable on torch 2.11,
 lists on 2.13+).
@@ -82,14 +83,17 @@ class DonatedScale(CustomGraphPass):
     place; on the GPU nothing moves for ``s`` = 1) where ``g`` is a saved gradient that autograd
     donates to this backward and nothing else in the graph reads it. Without it, Inductor writes
     ``g * s`` to a new buffer: a read and a write of the weight gradient (1 GiB at llama3-8b) per
-    step. Left alone under CUDA graphs (a mutated input would keep the backward out of them)."""
+    step. Likewise ``linear_logprob_store_bwd`` becomes ``linear_logprob_store_bwd_`` (dz written over
+    the stored exp-logits, two whole-vocabulary GEMMs) where its ``e`` is donated and read by it
+    alone. Left alone under CUDA graphs (a mutated input would keep the backward out of them)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         from torch._inductor import config as ic
 
         from . import ops
 
-        nodes = graph.find_nodes(op="call_function", target=ops.STORE_SCALE)
+        nodes = [*graph.find_nodes(op="call_function", target=ops.STORE_SCALE),
+                 *graph.find_nodes(op="call_function", target=ops.LOGPROB_STORE_BACKWARD)]
         if not nodes or ic.triton.cudagraphs:
             return
         donated = compat.donated_backward_inputs()
@@ -100,14 +104,21 @@ class DonatedScale(CustomGraphPass):
             return
         position = {p: i for i, p in enumerate(placeholders)}
         for node in nodes:
-            g, s = node.args
-            if position.get(g) not in donated or len(g.users) != 1:
+            if node.target is ops.STORE_SCALE:
+                g, s = node.args
+                if position.get(g) not in donated or len(g.users) != 1:
+                    continue
+                with graph.inserting_before(node):
+                    graph.call_function(ops.STORE_SCALE_, (g, s))
+                node.replace_all_uses_with(g)
+                graph.erase_node(node)
+                log.debug("inductor_xent: %s scaled in place (donated)", g.name)
                 continue
-            with graph.inserting_before(node):
-                graph.call_function(ops.STORE_SCALE_, (g, s))
-            node.replace_all_uses_with(g)
-            graph.erase_node(node)
-            log.debug("inductor_xent: %s scaled in place (donated)", g.name)
+            e = node.args[10] if len(node.args) > 10 else node.kwargs["e"]  # the stored exp-logits
+            if position.get(e) not in donated or len(e.users) != 1:
+                continue
+            node.target = ops.LOGPROB_STORE_BACKWARD_
+            log.debug("inductor_xent: the log-prob store's dz written over %s (donated)", e.name)
 
     def uuid(self) -> Optional[Any]:
         # what it does depends on the donation, which Inductor's graph cache key does not hold

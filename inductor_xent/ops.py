@@ -1,6 +1,6 @@
 """The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
 (other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``STORE_SCALE``, ``STORE_SCALE_``,
-``LOGPROB_FORWARD``, ``LOGPROB_BACKWARD``, ``LOGPROB_STORE``, ``LOGPROB_STORE_BACKWARD``, and
+``LOGPROB_FORWARD``, ``LOGPROB_BACKWARD``, ``LOGPROB_STORE``, ``LOGPROB_STORE_BACKWARD(_)``, and
 ``DISTILL_FORWARD`` / ``DISTILL_BACKWARD``, the two-lm_head distillation ops that ``distill.py``
 defines next to their chunked implementation).
 
@@ -66,6 +66,11 @@ in the forward, so the forward keeps what the backward's dz needs instead of the
 * ``inductor_xent::linear_logprob_store_bwd(<linear_logprob_bwd's tensors>, e, m, st, <options>,
   needs_hidden, needs_weight, needs_bias)``: the S stored rows' dz from ``e`` (two GEMMs), the
   others' from recomputed logits (three).
+* ``inductor_xent::linear_logprob_store_bwd_(<the same>)`` may write over ``e`` (``e!``): the stored
+  rows' dz goes there and their two GEMMs run over the whole vocabulary at once. The eager backward
+  of ``consuming_stored`` (the functional API, which drops ``e``) calls it unless the graph is
+  retained; ``inductor_pass.DonatedScale`` puts it in a compiled backward where autograd donates
+  ``e``.
 
 All are plain ``custom_op``s: Inductor calls them as fallback kernels, which launch our Triton
 kernels on CUDA. No op synchronises with the host (the mean's denominator stays on the device).
@@ -313,24 +318,24 @@ def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, 
             _logits_output(hidden, weight, write_logits))
 
 
-# set by store_consuming_gradients around one call of the op, read by its setup_context
-_GRADIENTS_CONSUMED = contextvars.ContextVar("inductor_xent_store_gradients_consumed", default=False)
+# set by store_consuming_gradients / consuming_stored around one call of the op, read by its setup_context
+_OUTPUTS_CONSUMED = contextvars.ContextVar("inductor_xent_outputs_consumed", default=False)
 
 
 def store_consuming_gradients(*args) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """``linear_ce_store(*args)`` for a caller that drops the three gradient outputs at once: the
     eager backward may then scale them in place (no copy; no memory traffic at all on the GPU for
     an upstream 1), since nobody else can see them. Eager only (a context variable)."""
-    token = _GRADIENTS_CONSUMED.set(True)
+    token = _OUTPUTS_CONSUMED.set(True)
     try:
         return STORE(*args)
     finally:
-        _GRADIENTS_CONSUMED.reset(token)
+        _OUTPUTS_CONSUMED.reset(token)
 
 
 def _store_setup_context(ctx, inputs, output):
     _, grad_h, grad_w, grad_b, logits = output
-    ctx.consumed = _GRADIENTS_CONSUMED.get()  # the caller dropped the gradient outputs
+    ctx.consumed = _OUTPUTS_CONSUMED.get()  # the caller dropped the gradient outputs
     ctx.save_for_backward(grad_h, grad_w, grad_b)
     ctx.mark_non_differentiable(grad_h, grad_w, grad_b, logits)  # logits: see _setup_context
     # the three gradient outputs get no incoming gradient: without this autograd fills a zero one
@@ -599,6 +604,44 @@ def linear_logprob_store_bwd(
     needs_weight: bool,
     needs_bias: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
+    return _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy,
+                         e, m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias)
+
+
+@torch.library.custom_op("inductor_xent::linear_logprob_store_bwd_", mutates_args=("e",))
+@_without_autocast
+def linear_logprob_store_bwd_(
+    grad_log_probs: Tensor,
+    grad_entropy: Optional[Tensor],
+    grad_lse: Tensor,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    target: Tensor,
+    lse: Tensor,
+    lse_lo: Tensor,
+    entropy: Optional[Tensor],
+    e: Tensor,
+    m: Tensor,
+    st: Tensor,
+    ignore_index: int,
+    logit_scale: float,
+    softcap: Optional[float],
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``linear_logprob_store_bwd`` that may write over ``e`` (its dz goes there on the Triton path:
+    two whole-vocabulary GEMMs and no dz buffer). Only for an ``e`` nobody reads afterwards: the
+    eager backward of ``consuming_stored`` calls without ``retain_graph``, and
+    inductor_pass.DonatedScale where autograd donates ``e`` to a compiled backward."""
+    return _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy,
+                         e, m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias,
+                         in_place=True)
+
+
+def _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e, m,
+                  st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias, in_place=False):
     if e.shape[0] == 0:  # nothing kept (the chunked path): every row recomputes
         return linear_logprob_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo,
                                   entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias)
@@ -607,18 +650,34 @@ def linear_logprob_store_bwd(
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
     return _kernels(hidden).log_probs_store_backward(-grad_log_probs, grad_lse, hidden, weight, bias, target, lse,
                                                      lse_lo, opts, needs, grad_entropy=grad_entropy, entropy=entropy,
-                                                     e=e, m=m, st=st)
+                                                     e=e, m=m, st=st, in_place=in_place)
 
 
-@linear_logprob_store_bwd.register_fake
-def _(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st,
-      ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias):
+def _lp_store_bwd_fake(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e,
+                       m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias):
     return _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+
+linear_logprob_store_bwd.register_fake(_lp_store_bwd_fake)
+linear_logprob_store_bwd_.register_fake(_lp_store_bwd_fake)
+
+
+def consuming_stored(*args) -> tuple[Tensor, ...]:
+    """``linear_logprob_store(*args)`` for a caller that drops the stored outputs ``e, m, st`` (the
+    functional API): the eager backward on the Triton path may then write dz over ``e``
+    (``linear_logprob_store_bwd_``) unless the graph is retained. Eager only (a context variable);
+    called directly, the op leaves the ``e`` its caller holds as it was."""
+    token = _OUTPUTS_CONSUMED.set(True)
+    try:
+        return LOGPROB_STORE(*args)
+    finally:
+        _OUTPUTS_CONSUMED.reset(token)
 
 
 def _lp_store_setup_context(ctx, inputs, output):
     hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, *_ = inputs
     _, entropy, argmax, lse, lse_lo, e, m, st = output
+    ctx.consumed = _OUTPUTS_CONSUMED.get()  # the caller dropped e, m, st
     ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st)
     ctx.mark_non_differentiable(argmax, lse_lo, e, m, st)
     ctx.set_materialize_grads(False)
@@ -628,7 +687,10 @@ def _lp_store_setup_context(ctx, inputs, output):
 
 def _lp_store_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, *_unused):
     hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st = ctx.saved_tensors
-    return _lp_grads(ctx, LOGPROB_STORE_BACKWARD, (hidden, weight, bias, target, lse, lse_lo, entropy),
+    # eagerly, dz over e where nobody reads e again; traced, DonatedScale decides (donation)
+    in_place = ctx.consumed and _concrete(e) and use_triton(hidden) and not compat.graph_retained()
+    op = LOGPROB_STORE_BACKWARD_ if in_place else LOGPROB_STORE_BACKWARD
+    return _lp_grads(ctx, op, (hidden, weight, bias, target, lse, lse_lo, entropy),
                      grad_log_probs, grad_entropy, grad_lse, stored=(e, m, st), extra=2)
 
 
@@ -643,6 +705,7 @@ LOGPROB_FORWARD = torch.ops.inductor_xent.linear_logprob_fwd.default
 LOGPROB_BACKWARD = torch.ops.inductor_xent.linear_logprob_bwd.default
 LOGPROB_STORE = torch.ops.inductor_xent.linear_logprob_store.default
 LOGPROB_STORE_BACKWARD = torch.ops.inductor_xent.linear_logprob_store_bwd.default
+LOGPROB_STORE_BACKWARD_ = torch.ops.inductor_xent.linear_logprob_store_bwd_.default
 
 # the distillation ops (two lm_heads): defined with their implementation in distill.py
 from . import distill  # noqa: E402, F401 - registers them

@@ -166,6 +166,46 @@ def test_compiled_store_backward_scales_donated_gradients_in_place(retain):
     torch.testing.assert_close(gw, rw)
 
 
+def _lp_entropy(h, W, y):
+    logp = F.log_softmax(h @ W.t() / 0.7, -1)
+    return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("retain", [False, True])
+def test_compiled_log_prob_store_writes_dz_over_donated_exp_logits(monkeypatch, retain):
+    """The log-prob store's compiled backward writes its dz over the stored exp-logits
+    (linear_logprob_store_bwd_) when autograd donates them, and leaves them (the out-of-place op)
+    under retain_graph, where a second backward reads them again: both backward results as eager's
+    (Triton kernels, interpreted on CPU tensors)."""
+    from torch._inductor.utils import run_and_get_code
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(1)
+    h = torch.randn(48, 32, device=dev, requires_grad=True)
+    W = torch.randn(80, 32, device=dev, requires_grad=True)
+    y = torch.randint(0, 80, (48,), device=dev)
+    up = torch.randn(2, 48, device=dev)
+    compiled = torch.compile(_lp_entropy, backend="inductor_xent",
+                             options={"xent.strategy": "store", "xent.store_budget": "1GiB"})
+
+    def step(fn):
+        lp, ent = fn(h, W, y)
+        out = (lp * up[0] + ent * up[1]).sum()
+        first = torch.autograd.grad(out, (h, W), retain_graph=retain)
+        return (*first, *(torch.autograd.grad(out * 0.5, (h, W)) if retain else ()))
+
+    torch._dynamo.reset()
+    with fresh_cache():
+        got, code = run_and_get_code(step, compiled)
+    text = "\n".join(code)
+    assert str(ops.LOGPROB_STORE) in text
+    assert (str(ops.LOGPROB_STORE_BACKWARD_) in text) is not retain
+    for a, b in zip(got, step(_lp_entropy)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _scale_graph(two_users=False, tangent_name="tangents_1"):
     g = torch.fx.Graph()
     saved, s = g.placeholder("getitem_1"), g.placeholder(tangent_name)

@@ -11,6 +11,7 @@ from inductor_xent.ops import LOGPROB_BACKWARD as LP_BWD
 from inductor_xent.ops import LOGPROB_FORWARD as LP_FWD
 from inductor_xent.ops import LOGPROB_STORE as LP_STORE
 from inductor_xent.ops import LOGPROB_STORE_BACKWARD as LP_STORE_BWD
+from inductor_xent.ops import LOGPROB_STORE_BACKWARD_ as LP_STORE_BWD_
 from inductor_xent.ops import STORE
 
 from .helpers import assert_all_smaller
@@ -126,8 +127,15 @@ def test_opcheck_log_probs_store_backward(impl, rows, with_entropy, needs, monke
             ent if with_entropy else None)
     tail = (-100, 0.7, 3.0, *needs)
     torch.library.opcheck(LP_STORE_BWD, (*head, e, m, st, *tail))
-    for a, r in zip(LP_STORE_BWD(*head, e, m, st, *tail), LP_BWD(*head, *tail)):
+    ref = LP_BWD(*head, *tail)
+    for a, r in zip(LP_STORE_BWD(*head, e, m, st, *tail), ref):
         torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    # the in-place form (dz over e): its schema says it mutates e, which it does where rows are kept
+    torch.library.opcheck(LP_STORE_BWD_, (*head, e.clone(), m, st, *tail))
+    kept = e.clone()
+    for a, r in zip(LP_STORE_BWD_(*head, kept, m, st, *tail), ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kept, e) is (rows == 0)
 
 
 @pytest.mark.parametrize("strategy", ["recompute", "store"])

@@ -527,6 +527,34 @@ def test_store_backward_scales_in_place_only_when_the_graph_is_freed(monkeypatch
     assert torch.equal(hh.grad, first[0]) and torch.equal(ww.grad, first[1])
 
 
+def test_log_prob_store_writes_dz_over_e_only_when_the_graph_is_freed(monkeypatch):
+    """The functional API's log-prob store (which drops e) writes its dz over e in an eager backward
+    that frees the graph, and leaves e under retain_graph: a second backward through the same graph
+    then gets the first one's gradients scaled, and the last (freeing) call too."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    seen = []
+    real = launch.log_probs_store_backward
+
+    def spy(*args, in_place=False, **kw):
+        seen.append(in_place)
+        return real(*args, in_place=in_place, **kw)
+
+    monkeypatch.setattr(launch, "log_probs_store_backward", spy)
+    h, w, _, t = make_inputs(dtype=torch.bfloat16, seed=18)
+    hh, ww = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    up = torch.randn(2, h.shape[0], generator=torch.Generator().manual_seed(19)).to(DEVICE)
+    out = inductor_xent.linear_log_probs(hh, ww, t, temperature=0.7, entropy=True, strategy="store")
+    total = (out.log_probs * up[0] + out.entropy * up[1]).sum()
+    first = [x.clone() for x in torch.autograd.grad(total, (hh, ww), retain_graph=True)]
+    second = torch.autograd.grad(total * 0.5, (hh, ww), retain_graph=True)
+    third = torch.autograd.grad(total * 0.25, (hh, ww))  # frees the graph: in place
+    assert seen == [False, False, True]
+    for a, b, c in zip(first, second, third):  # the chunked and the in-place sums: each rounded once
+        tol = dict(rtol=1e-2, atol=1e-2 * a.float().abs().max().item())
+        torch.testing.assert_close(b.float(), a.float() * 0.5, **tol)
+        torch.testing.assert_close(c.float(), a.float() * 0.25, **tol)
+
+
 def test_store_op_called_directly_keeps_the_gradients_it_returned(monkeypatch):
     """The op's gradient outputs are its caller's when it calls the op itself: the backward then
     scales out of place, and what the caller holds does not change."""
@@ -635,10 +663,11 @@ def lp_and_grads(h, w, b, t, kw, ups, *, torch_way):
     return [x.detach() for x in outs], list(torch.autograd.grad(total, leaves))
 
 
-def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True, store_rows=None):
+def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True, store_rows=None, in_place=False):
     """log_probs_forward + backward (with the entropy term) through the launchers against the
     float64 oracle, relative to torch; argmax a row maximum of the float64 logits. ``store_rows``:
-    log_probs_store keeping that many rows' exp-logits and log_probs_store_backward instead."""
+    log_probs_store keeping that many rows' exp-logits and log_probs_store_backward instead
+    (``in_place``: its dz written over them, the stored rows' e then no longer theirs)."""
     n = h.shape[0]
     g = torch.Generator().manual_seed(seed)
     ups = [(torch.randn(n, generator=g) * s).to(DEVICE) for s in (1.0, 0.5, 0.3 if grad_lse else 0.0)]
@@ -665,7 +694,8 @@ def check_log_probs(h, w, b, t, kw, *, seed=1, eps=None, grad_lse=True, store_ro
     if store_rows is None:
         ours = launch.backward(*args, grad_entropy=ups[1], entropy=ent)
     else:
-        ours = launch.log_probs_store_backward(*args, grad_entropy=ups[1], entropy=ent, e=e, m=m, st=st)
+        ours = launch.log_probs_store_backward(*args, grad_entropy=ups[1], entropy=ent, e=e, m=m, st=st,
+                                               in_place=in_place)
     for name, x, pt, ref, src in zip(("hidden", "weight", "bias"), ours, same_grads, exact_grads, (h, w, b)):
         assert x.dtype == src.dtype and x.shape == src.shape, name
         assert rel_err(x, ref) <= K * rel_err(pt, ref) + eps, (name, rel_err(x, ref), rel_err(pt, ref))
@@ -717,6 +747,34 @@ def test_log_probs_store_bf16(name, store_rows):
     """16-bit inputs: the stored rows compacted (rows.compacts), their dz read through the order."""
     make_kw, kw = LP_CASES[name]
     check_log_probs(*make_inputs(dtype=torch.bfloat16, seed=3, **make_kw), kw, store_rows=store_rows)
+
+
+@pytest.mark.parametrize("store_rows", STORE_ROWS[:2])
+@pytest.mark.parametrize("name, dtype", [("plain", torch.float32), ("bias_scale_softcap_temperature", torch.float32),
+                                         ("everything_strided", torch.bfloat16), ("ignore_valid_id", torch.bfloat16)])
+def test_log_probs_store_in_place(name, dtype, store_rows):
+    """dz written over the stored exp-logits (launch._stored_in_place: the whole vocabulary at once,
+    every row walked), with and without recomputed rows after them: as accurate as the chunked
+    stored backward, and e really overwritten (a test that would pass with the chunked path fails
+    there)."""
+    make_kw, kw = LP_CASES[name]
+    h, w, b, t = make_inputs(dtype=dtype, seed=5, **make_kw)
+    o = _lp_opts(**kw)
+    *_, e, _, _ = launch.log_probs_store(h, w, b, t, o, True, True, store_rows)
+    before = e.clone()
+    real = launch.log_probs_store
+
+    def keep(*args):  # the store check_log_probs runs, with its e watched
+        out = real(*args)
+        watched.append(out[5])
+        return out
+
+    watched = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launch, "log_probs_store", keep)
+        check_log_probs(h, w, b, t, kw, store_rows=store_rows, in_place=True)
+    (e,) = watched
+    assert torch.equal(before, e.view(before.dtype)) is False
 
 
 def test_log_probs_store_many_chunks(monkeypatch):

@@ -478,12 +478,14 @@ def log_probs_store_backward(
     e: Tensor,  # (S, V) log_probs_store's
     m: Tensor,  # (tiles, S)
     st: Tensor,  # (S,) or (0,)
+    in_place: bool = False,  # e is dropped after this backward: dz may be written over it
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The log-prob op's gradients with its first S = e.shape[0] rows' dz from their stored
     exp-logits (``backward`` with ``stored``: two GEMMs) and the other rows' from recomputed logits
     (``backward``: three). Where both parts run, the recomputed rows go first and the stored rows'
     weight and bias gradients are added into theirs (``add_to``: one [V, D] buffer; each sum
-    rounded once, the rounding of two row chunks: strategy.py's rule)."""
+    rounded once, the rounding of two row chunks: strategy.py's rule). ``in_place``: the stored
+    rows' dz is written over ``e`` (``_stored_in_place``: two whole-vocabulary GEMMs, no chunks)."""
     n, s = hidden.shape[0], e.shape[0]
     grads = None
     for lo, hi, kept in ((s, n, False), (0, s, True)):
@@ -492,11 +494,59 @@ def log_probs_store_backward(
         sl = slice(lo, hi)
         ent = dict(grad_entropy=None if grad_entropy is None else grad_entropy[sl],
                    entropy=None if entropy is None else entropy[sl])
-        part = backward(grad_loss[sl], grad_lse[sl], hidden[sl], weight, bias, target[sl], lse[sl], lse_lo[sl], opts,
-                        needs, stored=(e, m, st) if kept else None, add_to=None if grads is None else grads[1:], **ent)
+        add_to = None if grads is None else grads[1:]
+        if kept and in_place and hi > lo:
+            part = _stored_in_place(grad_loss[sl], grad_lse[sl], hidden[sl], weight, bias, target[sl], lse[sl],
+                                    lse_lo[sl], opts, needs, (e, m, st), add_to, **ent)
+        else:
+            part = backward(grad_loss[sl], grad_lse[sl], hidden[sl], weight, bias, target[sl], lse[sl], lse_lo[sl],
+                            opts, needs, stored=(e, m, st) if kept else None, add_to=add_to, **ent)
         # the stored rows come first in grad_hidden
         grads = part if grads is None else (torch.cat((part[0], grads[0])) if needs[0] else part[0], *part[1:])
     return grads
+
+
+def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs, stored, add_to,
+                     *, grad_entropy, entropy) -> tuple[Tensor, Tensor, Tensor]:
+    """``backward`` with ``stored`` for a stored ``e`` nobody reads after this backward: dz of every
+    stored row and column is written over e (the same element size: fp16 exp-logits become bf16 dz,
+    fp32 stay fp32; each tile is read before it is written), then grad_hidden = dz @ W and
+    grad_weight (+)= dzᵀ @ hidden are two whole-vocabulary GEMMs (cuBLAS, fp32 accumulation, each
+    result rounded once) instead of ``backward``'s vocabulary chunks adding into an fp32 [N, D]
+    accumulator. Every row is walked: rows with no incoming gradient get a zero dz (no row
+    compaction: a compacted dz could not overwrite its own rows). No memory beyond the gradients
+    and, with a bias, the [N/BLOCK_M, V] fp32 column partials."""
+    e, m, st = stored
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    n, d = hidden.shape
+    v = weight.shape[0]
+    cfg = configs.store_dz_config(configs.store_config(hidden.dtype))
+    # the interpreter's dz is fp32 (backward's rounding note), as are its exp-logits (e_dtype)
+    dz = e.view(torch.float32 if config.triton_interpret() else hidden.dtype)
+    num_m = triton.cdiv(n, cfg.block_m)
+    dbias = torch.empty((num_m, v) if need_b else (0, 0), dtype=torch.float32, device=hidden.device)
+    grad_loss, grad_lse, target, lse, lse_lo = (t.contiguous() for t in (grad_loss, grad_lse, target, lse, lse_lo))
+    if grad_entropy is not None:
+        grad_entropy, entropy = grad_entropy.contiguous(), entropy.contiguous()
+    _stored_dz(stored, None, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias, None,
+               v, 0, v, opts, cfg)
+    dz = dz.to(hidden.dtype)
+    grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
+    if need_h:
+        _mm_into(grad_h, dz, weight, accumulate=False)
+    if add_to is None:
+        grad_w = _grad_weight_buffer(weight, need_w)
+        grad_b = torch.empty((v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype,
+                             device=weight.device)
+    else:
+        grad_w, grad_b = add_to
+    if need_w:
+        grad_weight_chunk(grad_w, dz, hidden, accumulate=add_to is not None)
+    if need_b:
+        col = dbias.sum(dim=0)
+        grad_b.copy_(grad_b.float() + col if add_to is not None else col)
+    return grad_h, grad_w, grad_b
 
 
 # ---------------------------------------------------------------------------------------------
