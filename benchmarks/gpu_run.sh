@@ -26,6 +26,9 @@
 #           IGNORED_FRACS, IGNORED_LAYOUT, IGNORED_ROUNDS override)
 #   e2e_sft the HF Llama step with half of each sequence a prompt (bench e2e --prompt 0.5)
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
+#   topk    the top-k head (k = 64, log-probs at T = 0.7) and the kept-set log-probs at llama3-8b against cuBLAS's
+#           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides)
+#   probe   scratch/bi_probe.py when present (an uncommitted experiment; carry "scratch")
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl;
 #           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
@@ -131,6 +134,9 @@ for step in ${STEPS//,/ }; do
                    --out "$OUT/modes" 2>&1 | grep -v "it/s\]" | tee "$OUT/e2e_modes.log" | tail -16 ;;
         distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick ${DISTILL_METHODS:+--methods $DISTILL_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
+        topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick ${TOPK_METHODS:+--methods $TOPK_METHODS} --out "$OUT" 2>&1 \
+                   | tee "$OUT/topk.log" | grep -E "^\||^target|rror" ;;
+        probe) timeout 120 python3 scratch/bi_probe.py 2>&1 | tee "$OUT/probe.log" | tail -60 ;;
         rl)    timeout ${RL_S:-150} python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b ${RL_METHODS:+--methods $RL_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
         profile) timeout 150 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_compiled 2>&1 \

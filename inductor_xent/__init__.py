@@ -1,7 +1,7 @@
 """inductor_xent: fused linear + cross-entropy for torch.compile, with no change to model code.
 
-Public surface: ``linear_cross_entropy``, ``linear_log_probs`` and ``linear_distillation_loss`` (the
-functional API);
+Public surface: ``linear_cross_entropy``, ``linear_log_probs`` (``top_k=``: the kept-set
+log-probs), ``linear_distillation_loss`` and ``linear_topk`` (the functional API);
 ``torch.compile(fn, backend="inductor_xent")`` (the backend, registered through an entry point).
 """
 
@@ -10,9 +10,10 @@ from .api import LogProbs, linear_cross_entropy, linear_log_probs
 from .distill import linear_distillation_loss
 from .explain import explain
 from .inductor_pass import install, uninstall
+from .topk import TopK, linear_topk
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_distillation_loss", "LogProbs", "explain", "install",
-           "uninstall"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_distillation_loss", "linear_topk", "LogProbs", "TopK",
+           "explain", "install", "uninstall"]
 
 
 def _backend(gm, example_inputs, **kwargs):

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from . import config, ops
 from . import strategy as strategies
+from . import topk as _topk
 from .options import FLOAT_DTYPES, REDUCTIONS, fold_temperature, reduced
 
 
@@ -104,6 +105,7 @@ def linear_log_probs(
     argmax: bool = False,
     strategy: Optional[str] = None,
     store_budget: Optional[str | int] = None,
+    top_k: Optional[int | Tensor] = None,
 ) -> LogProbs:
     """Per-token log-probabilities of ``target`` (and optionally the entropy and the argmax) of a
     linear layer's output at a sampling temperature, without materialising the ``[N, V]`` logits:
@@ -144,6 +146,16 @@ def linear_log_probs(
     Targets outside ``[0, V)`` that are not ``ignore_index`` raise ``ValueError`` on CPU; on CUDA
     they are not checked (a host synchronisation): such a row's log-probability is ``−lse`` (its
     target logit read as 0), its entropy and argmax are right, and its gradient is that of ``−lse``.
+
+    ``top_k`` (an int, or an integer tensor of ``target``'s shape: one k per row) replays top-k
+    sampling: the log-probabilities are over each row's kept set, its ``top_k`` largest logits,
+    renormalised (``−inf`` where the target is outside it), and the entropy is that kept
+    distribution's; the argmax is unchanged. Equal, with gradients, to eager's
+    ``log_softmax(z.masked_fill(z < torch.topk(z, k).values[..., -1:], -inf))`` gathered at the
+    target (ties at the k-th logit: eager keeps every tied column, this the k ``torch.topk``
+    returns). It runs the top-k op (``topk.py``: row chunks, ``torch.topk`` over each chunk's
+    logits; its backward recomputes them; ``strategy`` does not apply); a per-row ``top_k`` costs
+    one host synchronisation (the op's k is the largest).
     """
     _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)
     hidden, weight, bias = _autocast(hidden, weight, bias)
@@ -156,6 +168,14 @@ def linear_log_probs(
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     scale, cap = fold_temperature(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    if top_k is not None:
+        if isinstance(top_k, Tensor) and top_k.shape != target.shape:
+            raise ValueError(f"a top_k tensor must have target's shape {tuple(target.shape)}, got {tuple(top_k.shape)}")
+        lp, ent, arg = _topk.kept(hidden2d, weight, bias, target.reshape(-1),
+                                  top_k.reshape(-1) if isinstance(top_k, Tensor) else top_k, scale, cap,
+                                  int(ignore_index), entropy, argmax)
+        shape = target.shape
+        return LogProbs(lp.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
     args = (hidden2d, weight, bias, target.reshape(-1), int(ignore_index), scale, cap, entropy, argmax)
     needs, budget = _needs_and_budget(hidden, weight, bias, store_budget)
     if _choose_log_probs(*_sizes(hidden2d, weight), hidden2d.dtype, needs, strategy, budget,

@@ -59,6 +59,9 @@ def assert_argmax_is_a_maximum(argmax, hidden, weight, bias, target, kw, *, rtol
 # found on the H200 box when the backward ran with other chunks than the forward (helpers.fallback_chunks)
 @example(dict(n=7, d=3, v=31, dtype=torch.float32, bias=True, three_d=False, non_contiguous=True, ignore="none",
               ignore_index=-100, temperature=1.0, logit_scale=1.0, softcap=None, chunk_bytes=64, seed=0))
+# found on an H100 (the Triton backward, V = 1: every exact gradient is 0)
+@example(dict(n=7, d=17, v=1, dtype=torch.float32, bias=False, three_d=False, non_contiguous=False, ignore="block",
+              ignore_index=-100, temperature=1.0, logit_scale=1.0, softcap=None, chunk_bytes=64, seed=34))
 def test_matches_oracle_with_random_upstream_gradients(c):
     """log_probs, entropy and their gradients for per-token upstream gradients (advantages,
     masks) against float64, within a multiple of eager PyTorch's own error in the same dtype."""
@@ -92,6 +95,12 @@ def _check_random_upstream_gradients(c):
 
     for name, a, s, e in zip(("hidden", "weight", "bias"), grads(*ours[:2]), grads(*same[:2]), grads(*exact[:2])):
         assert a.dtype == s.dtype and a.shape == s.shape
+        if c["v"] == 1:  # p = 1 exactly and every gradient is 0: eager's formula gives exact zeros, a
+            # kernel that recomputes the logits gives p = exp(δz) with δz the logits' rounding (H100:
+            # 1.6e-6 for grad_hidden): bounded by the logits' scale, ‖h‖·‖w‖ times a few ulps
+            bound = 64 * torch.finfo(cd).eps * (h.detach().double().norm() * w.detach().double().norm()).item()
+            assert a.double().norm().item() <= bound + floor, (name, a.double().norm().item(), bound)
+            continue
         assert_within_torch_error(a, s, e, floor=floor, what=f"grad_{name}")
 
 

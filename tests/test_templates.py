@@ -818,23 +818,26 @@ def test_log_probs_store_never_reads_rows_without_gradient(monkeypatch):
 def test_batch_invariant_forward(monkeypatch):
     """INDUCTOR_XENT_BATCH_INVARIANT=1 (issue 25): each row's log-prob, entropy, argmax and
     logsumexp are the same bits computed in a batch of 21 rows and inside batches of 64 and 100 rows
-    at shuffled positions; without it the vocabulary split follows N (checked: the test would not
+    at shuffled positions (150, 400, 600 on a GPU); without it the vocabulary split follows N (checked: the test would not
     show anything if the splits agreed anyway)."""
     monkeypatch.setattr(launch, "_num_sms", lambda device: 64)  # room for N-dependent splits
     v = 701 if not CUDA else 50257
-    h, w, b, t = make_inputs(n=100, v=v, dtype=torch.bfloat16, bias=True, scale=3.0, seed=41)
+    # rows alone, and the batches they sit in: on a GPU (128-row blocks) 21 and 100 rows are one row
+    # block each and take the same split anyway (H100: (50, 4) both)
+    few, sizes = (21, (64, 100)) if not CUDA else (150, (400, 600))
+    h, w, b, t = make_inputs(n=sizes[-1], v=v, dtype=torch.bfloat16, bias=True, scale=3.0, seed=41)
     cfg = configs.forward_config(h.dtype)
-    assert launch._splits(cfg, h[:21], v) != launch._splits(cfg, h, v)
+    assert launch._splits(cfg, h[:few], v) != launch._splits(cfg, h, v)
     monkeypatch.setenv("INDUCTOR_XENT_BATCH_INVARIANT", "1")
-    assert launch._splits(cfg, h[:21], v) == launch._splits(cfg, h, v)
+    assert launch._splits(cfg, h[:few], v) == launch._splits(cfg, h, v)
     o = _lp_opts(temperature=0.7, softcap=5.0)
-    alone = launch.log_probs_forward(h[:21], w, b, t[:21], o, True, True)
-    for n, seed in ((64, 42), (100, 43)):
+    alone = launch.log_probs_forward(h[:few], w, b, t[:few], o, True, True)
+    for n, seed in zip(sizes, (42, 43)):
         g = torch.Generator().manual_seed(seed)
-        others = 21 + torch.randperm(79, generator=g)[:n - 21]
-        order = torch.cat([torch.arange(21), others])[torch.randperm(n, generator=g)].to(DEVICE)
+        others = few + torch.randperm(sizes[-1] - few, generator=g)[:n - few]
+        order = torch.cat([torch.arange(few), others])[torch.randperm(n, generator=g)].to(DEVICE)
         inside = launch.log_probs_forward(h[order], w, b, t[order], o, True, True)
-        where = (order[:, None] == torch.arange(21, device=DEVICE)).int().argmax(0)  # row r's position
+        where = (order[:, None] == torch.arange(few, device=DEVICE)).int().argmax(0)  # row r's position
         for a, c in zip(alone, inside):
             assert torch.equal(a, c[where]), n
 

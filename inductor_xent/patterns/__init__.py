@@ -33,6 +33,7 @@ from . import (
     log_softmax_nll,
     logsumexp_minus_gather,
     one_hot,
+    topk,
 )
 from ._fx import arg
 from ._plan import SitePlan
@@ -41,7 +42,7 @@ from ._site import HEAD_KINDS, Decline, Head
 
 log = logging.getLogger(__name__)
 
-IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gather, entropy, argmax)
+IDIOMS = (lm_head_cross_entropy, log_softmax_nll, one_hot, logsumexp_minus_gather, entropy, argmax, topk)
 # Other heads over the same logits are looked for among their users this many levels deep:
 # Categorical's entropy is logits -> sub -> clamp -> mul -> sum, TRL's stacked logsumexp
 # logits -> getitem -> logsumexp -> stack -> sub.

@@ -32,7 +32,7 @@ from typing import Any, Optional
 import torch
 from torch.fx import Node
 
-from ._fx import bind, tval
+from ._fx import bind, tval, val
 
 # Python's in-place operators (``h += 1`` is traced as operator.iadd) and item assignment
 _PY_INPLACE_NAMES = ("iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift",
@@ -148,7 +148,7 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     start = {r: (target_from if what == "the targets" and r in targets else lo) for r, what in reads.items()}
     # the op saves hidden/weight/bias/targets for its backward (whatever requires grad), where eager's
     # linear saves only what the other operand's gradient needs: a later write would fail backward
-    grad = any(tval(n).requires_grad for n in losses)
+    grad = any(t.requires_grad for n in losses for t in _tensors(val(n)))
     saved = [chain.hidden, chain.weight, chain.bias, *targets] if grad else []
     storages = [(_storage(r), what, start[r]) for r, what in reads.items()]
     saved_storages = [(_storage(r), reads[r], 0) for r in saved if r is not None]
@@ -304,3 +304,8 @@ def _tensor_kind(t) -> Optional[str]:
         return "list"
     return None
 
+
+def _tensors(value: Any) -> list:
+    """The tensors of an example value: itself, or a tuple's (a top-k's values and indices)."""
+    items = value if isinstance(value, (tuple, list)) else (value,)
+    return [t for t in items if isinstance(t, torch.Tensor)]

@@ -95,6 +95,12 @@ class SitePlan:
         return self.heads[0][0]
 
     @property
+    def main_heads(self) -> list:
+        """The heads the site's cross-entropy or log-probs op serves: all but the top-k heads (each
+        its own top-k op)."""
+        return [(h, c) for h, c in self.heads if h.kind != "topk"]
+
+    @property
     def log_probs_op(self) -> bool:
         """Entropy and argmax come from the log-probs op (the cross-entropy op has neither)."""
         return any(h.kind in ("entropy", "argmax") for h, _ in self.heads)
@@ -145,6 +151,9 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
             owned.update(dict.fromkeys([*between, *(t for t in arg(u, 0, "tensors") if isinstance(t, Node))]))
     escapes = list(dict.fromkeys(u for n in read for u in n.users
                                  if u not in owned and u not in lse_users and u not in theirs))
+    if lse_users and all(h.kind == "topk" for h, _ in heads):
+        return Decline(None, site.loss, "a logsumexp of the logits next to top-k heads alone (the top-k op "
+                                        "gives no lse to map it onto)")
     if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
         return Decline(None, site.loss, "a logsumexp the head subtracts does not read the same logits as the rest")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -187,8 +196,8 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
     ([], why not). Every other user of the logits must lead only to the graph's output, through
     casts, views, Python-number scales and a softcap's tanh from the raw logits (matmul + bias),
     rows in the matmul's order."""
-    if any(h.kind in ("entropy", "argmax") for h, _ in heads):
-        return [], "the log-probs op (entropy, argmax) does not write the logits"
+    if any(h.kind in ("entropy", "argmax", "topk") for h, _ in heads):
+        return [], "the log-probs and top-k ops (entropy, argmax, top-k) do not write the logits"
     if _dtensor.involved(chain):
         return [], "the vocabulary-parallel op does not write the logits"
     if chain.weight_scale is not None:
@@ -310,6 +319,10 @@ def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
         return "label smoothing in a cross-entropy next to another head of the same logits"
     if any(h.kind in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
         return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
+    if any(h.kind == "topk" for h, _ in heads) and _dtensor.involved(chain):
+        return "vocabulary parallel: a top-k head (the top-k op has no DTensor rule)"
+    if any(h.kind == "topk" and h.needs_lse_of for h, _ in heads) and all(h.kind == "topk" for h, _ in heads):
+        return "a top-k of z − logsumexp(z) with no other head (spell it log_softmax(z, -1))"
     return None
 
 
@@ -337,7 +350,9 @@ def _inputs_reason(heads: list, chain: LogitsChain) -> Optional[str]:
         tt, tz = tval(h.target), tval(h.logits)
         if not same(tt.numel(), math.prod(tz.shape[:-1])):
             return f"the targets {tuple(tt.shape)} do not give one class id per row of the logits {tuple(tz.shape)}"
-    if any(tval(h.loss).dtype == torch.float64 for h, _ in heads) and dtype != torch.float64:
+    # (a top-k's result is a tuple: its input's dtype is its values')
+    if any(tval(arg(h.loss, 0, "input") if h.kind == "topk" else h.loss).dtype == torch.float64
+           for h, _ in heads) and dtype != torch.float64:
         return "float64 loss of lower-precision logits: the op would compute in float32"
     return None
 
@@ -380,7 +395,10 @@ def op_dtype(chain: LogitsChain) -> torch.dtype:
 def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPlan:
     """How the rewritten site computes its gradients (strategy.choose, from the example values' sizes
     as hints and their requires_grad: which gradients the graph will ask for)."""
-    site, chain = p.first, p.logits
+    main = p.main_heads
+    if not main:
+        return strategy.GradientPlan("recompute", reason="the top-k op recomputes the logits in its backward")
+    site, chain = main[0][0], p.logits
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
         return strategy.GradientPlan("recompute", reason="no vocabulary-parallel store kernel")
     tx = tval(chain.hidden)
@@ -391,7 +409,7 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
         return strategy.choose_log_probs(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS,
                                          p.dtype, needs=p.needs, strategy=which, budget=budget,
                                          device=tx.device.type)
-    reduced = len(p.heads) == 1 and site.kind == "cross_entropy"  # store gives one reduced loss
+    reduced = len(main) == 1 and site.kind == "cross_entropy"  # store gives one reduced loss
     return strategy.choose(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
                            reduction=site.reduction if reduced else "none", needs=p.needs,
                            label_smoothing=site.label_smoothing, softcap=chain.softcap,

@@ -77,8 +77,10 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
     """The report of a rewritten site, saying what the op took over."""
     loss, chain = plan.first, plan.logits
     ce = next((h for h, _ in plan.heads if h.kind == "cross_entropy"), None)
+    main, tops = plan.main_heads, [h for h, _ in plan.heads if h.kind == "topk"]
     parts = (
-        len(plan.heads) > 1 and f"{len(plan.heads)} heads in one op call",
+        len(main) > 1 and f"{len(main)} heads in one op call",
+        *(f"top-k op (k={h.k}, of the {h.normalised.replace('_', '-')})" for h in tops),
         plan.log_probs_op and "log-probs op",
         ce is not None and f"reduction={ce.reduction}",
         plan.ignore_index != NO_IGNORE and f"ignore_index={plan.ignore_index}",

@@ -1,7 +1,8 @@
 """Rewrite one planned site: one fused op call for all its heads (the cross-entropy op, or the
-log-probs op when an entropy or argmax is among them), each head's value from the op's outputs
-(the reduction the user asked for, per-row values shaped as the head's), the logsumexps mapped onto
-the op's lse; then erase what became dead and count the [N, V] buffers no longer computed."""
+log-probs op when an entropy or argmax is among them; a top-k op for each top-k head), each head's
+value from the op's outputs (the reduction the user asked for, per-row values shaped as the
+head's), the logsumexps mapped onto the op's lse; then erase what became dead and count the [N, V]
+buffers no longer computed."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import operator
 import torch
 from torch.fx import Node
 
-from .. import escape, ops, strategy
+from .. import escape, ops, strategy, topk
 from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import SitePlan
@@ -53,6 +54,11 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     folded: list = []  # negations of a head that the op's output replaces instead
+    for h, c in plan.heads:  # top-k heads: one top-k op each (topk.py)
+        if h.kind == "topk":
+            _topk(e, h, c, (hidden2d, weight, bias), scale, cap, (hidden, all_ops, d))
+    if not plan.main_heads:
+        return _erase_dead(gm, plan, erased, folded)
     write = (True,) if plan.returned else ()  # the op writes the logits the graph returns (escape.py)
     needs = plan.needs
     if how.strategy == "store" and not plan.log_probs_op:  # the reduced loss and its gradients, in one op
@@ -86,7 +92,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
 
-    for h, c in plan.heads:
+    for h, c in plan.main_heads:
         value, sign = values[h.kind]
         value = value()
         if h.kind == "cross_entropy" and h.reduction != "none":
@@ -166,11 +172,34 @@ def _rows_like(e: Emitter, value: Node, c: _logits.LogitsChain, position: int, k
     flattening, the hidden states through ``all_ops``."""
     if tval(c.nodes[position]).dim() == 2 and not keepdim:
         return value  # one per row, in row order: exactly the op's
+    value = e.method("view", value, _lead(e, c, position, hidden, all_ops, d))
+    return e.method("unsqueeze", value, -1) if keepdim else value
+
+
+def _lead(e: Emitter, c: _logits.LogitsChain, position: int, hidden: Node, all_ops: list, d) -> Node:
+    """The leading sizes (all but the vocabulary) of ``c.nodes[position]``, read from the hidden
+    states through the same views."""
     upto = [op for i, op in c.shape_ops if i <= position]
     shaping = [op for op in upto if not isinstance(op, RowScale)]  # only the shape matters here
     like = hidden if upto == all_ops else _logits.replay(e, c.hidden, shaping, d)
-    value = e.method("view", value, e.getitem(e.method("size", like), slice(None, -1)))
-    return e.method("unsqueeze", value, -1) if keepdim else value
+    return e.getitem(e.method("size", like), slice(None, -1))
+
+
+def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, cap, shaping: tuple) -> None:
+    """One top-k head: the top-k op over the site's operands, its values (exponentials for a
+    softmax's) and indices shaped as the rows of the logits it read, with ``k`` last, in place of
+    the ``torch.topk`` result's two items."""
+    out = e.call(topk.TOPK, *operands, h.k, scale, cap, h.normalised != "logits")
+    items = [e.getitem(out, 0), e.getitem(out, 1)]
+    if h.normalised == "probs":
+        items[0] = e.call(torch.exp, items[0])
+    if tval(c.nodes[-1]).dim() != 2:
+        lead = _lead(e, c, len(c.nodes) - 1, *shaping)
+        items = [e.method("unflatten", t, 0, lead) for t in items]
+    if c.detached:
+        items[0] = e.method("detach", items[0])
+    for u in h.aux:  # getitem(topk, 0 or 1)
+        u.replace_all_uses_with(_cast_like(e, items[arg(u, 1, "index")], u))
 
 
 def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.LogitsChain, folded: list) -> None:

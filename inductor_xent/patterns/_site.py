@@ -20,7 +20,7 @@ NO_IGNORE = -(2**31)
 
 
 # what a head computes per row of the logits, in the order explain names a site's heads
-HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "distillation"]
+HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "topk", "distillation"]
 HEAD_KINDS: tuple[HeadKind, ...] = get_args(HeadKind)
 
 
@@ -31,7 +31,9 @@ class Head:
     ``loss`` holds, per row of the logits (minus that when ``negate``), by ``kind``:
     ``cross_entropy`` the loss ``lse − z[target]`` (0 where ``target == ignore_index``) reduced by
     ``reduction`` (``mean``: ``rows.sum() / (target != ignore_index).sum()``); ``log_probs``
-    ``z[target] − lse``; ``entropy`` ``−Σ p·log p``; ``argmax`` the first maximal column. Per-row
+    ``z[target] − lse``; ``entropy`` ``−Σ p·log p``; ``argmax`` the first maximal column; ``topk``
+    (``loss`` the ``torch.topk`` node, ``aux`` its item reads) the ``k`` largest ``normalised``
+    values and their columns (the top-k op, next to the site's other op if any). Per-row
     values are viewed as ``shape_ref`` (then ``squeeze(-1)`` when ``drop_last``), or without one as
     the rows of ``logits`` (with a trailing 1 when ``keepdim``).
     """
@@ -51,6 +53,8 @@ class Head:
     needs_lse_of: tuple = ()  # logsumexp nodes the idiom relies on: each must map to the op's lse
     kind: HeadKind = "cross_entropy"
     keepdim: bool = False
+    k: int = 0  # topk: how many per row
+    normalised: str = ""  # topk: of the "logits", "log_probs" or "probs"
 
 
 @dataclass

@@ -1,0 +1,160 @@
+"""Per-row top-k head benchmark (issue 25, items 2 and 3).
+
+    python benchmarks/bench_topk.py [--shape 8192x4096x128256] [--k 64] [--quick] [--out DIR]
+        [--device cuda|cpu]
+
+What is timed, at the llama3-8b head by default (bf16):
+
+* ``cublas``: the logits GEMM alone, ``F.linear(h, w)`` (the floor of any top-k);
+* ``eager`` / ``compile``: ``torch.topk(F.log_softmax(F.linear(h, w).float() / T, -1), k)`` eagerly
+  and under torch.compile (Inductor);
+* ``ours``: ``inductor_xent.linear_topk(h, w, k, log_probs=True, temperature=T)``;
+* ``ours_compiled``: the spelling under ``torch.compile(backend="inductor_xent")`` (the pass fuses it);
+* ``kept_ours`` / ``kept_eager``: the kept-set log-probs of sampled ids over each row's top-k,
+  ``linear_log_probs(..., top_k=k)`` against eager's ``masked_fill`` spelling.
+
+Forward alone and forward + backward (the values' gradient a random [N, k] tensor; the kept-set
+rows' a random [N]) with the extra peak memory of each. Accounting: median of
+``triton.testing.do_bench`` (bench_kernels.bench_ms); extra MiB: peak minus what was allocated
+before the call. Target (issue 25): top-k (k = 64) forward ≤ 1.15× the cuBLAS logits GEMM.
+``--device cpu`` is a dry run on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_kernels as bk  # noqa: E402
+
+import inductor_xent  # noqa: E402
+
+T = 0.7
+TARGET_FWD_VS_CUBLAS = 1.15
+
+
+def spelling(h, w, k):
+    return torch.topk(F.log_softmax(F.linear(h, w).float() / T, -1), k)
+
+
+def kept_eager(h, w, ids, k):
+    u = F.linear(h, w).float() / T
+    kth = torch.topk(u, k).values[..., -1:]
+    return u.masked_fill(u < kth, float("-inf")).log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+
+
+def methods(k):
+    compiled = torch.compile(spelling, dynamic=False)
+    fused = torch.compile(spelling, backend="inductor_xent", dynamic=False)
+    return {
+        "cublas": lambda h, w, ids: F.linear(h, w),
+        "eager": lambda h, w, ids: spelling(h, w, k).values,
+        "compile": lambda h, w, ids: compiled(h, w, k).values,
+        "ours": lambda h, w, ids: inductor_xent.linear_topk(h, w, k, log_probs=True, temperature=T).values,
+        "ours_compiled": lambda h, w, ids: fused(h, w, k).values,
+        "kept_eager": lambda h, w, ids: kept_eager(h, w, ids, k),
+        "kept_ours": lambda h, w, ids: inductor_xent.linear_log_probs(h, w, ids, temperature=T, top_k=k).log_probs,
+    }
+
+
+def timed(device, quick):
+    def ms(fn):
+        if device == "cuda":
+            return bk.bench_ms(fn, quick, False)
+        fn()
+        times = []
+        for _ in range(2):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+    return ms
+
+
+def measure(name, fn, h, w, ids, k, ms, device) -> dict:
+    """One method's row: forward (no grad) and forward + backward times and extra memory."""
+    row = {"method": name, "shape": "x".join(map(str, (h.shape[0], h.shape[1], w.shape[0]))), "k": k}
+    try:
+        with torch.no_grad():
+            row["fwd_ms"] = ms(lambda: fn(h, w, ids))
+            if device == "cuda":
+                row["fwd_mib"] = bk.extra_peak_mib(lambda: fn(h, w, ids))[1]
+        if name == "cublas":
+            return row
+        hh, ww = h.detach().requires_grad_(), w.detach().requires_grad_()
+        out = fn(hh, ww, ids)
+        up = torch.randn(out.shape, device=device, dtype=out.dtype)
+        del out
+
+        def step():
+            res = fn(hh, ww, ids)
+            return torch.autograd.grad((res.where(torch.isfinite(res), 0.0) * up).sum(), (hh, ww))
+
+        row["fwd_bwd_ms"] = ms(step)
+        if device == "cuda":
+            row["fwd_bwd_mib"] = bk.extra_peak_mib(step)[1]
+    except torch.OutOfMemoryError:
+        row["status"] = "OOM"
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="8192x4096x128256")
+    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--methods", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    n, d, v = (int(x) for x in args.shape.split("x"))
+    if args.device == "cpu":
+        n, d, v = min(n, 64), min(d, 32), min(v, 500)
+    g = torch.Generator().manual_seed(0)
+    dtype = torch.bfloat16
+    h = (torch.randn(n, d, generator=g) / d**0.25).to(args.device, dtype)
+    w = (torch.randn(v, d, generator=g) / d**0.25).to(args.device, dtype)
+    k = min(args.k, v)
+    fns = methods(k)
+    chosen = args.methods.split(",") if args.methods else list(fns)
+    ms = timed(args.device, args.quick)
+    with torch.no_grad():  # the kept-set rows' ids: sampled from each row's top-k (the rollout's)
+        top = torch.topk(F.linear(h, w).float() / T, k)
+        pick = torch.multinomial(torch.softmax(top.values, -1), 1, generator=None)[:, 0]
+        ids = top.indices.gather(1, pick[:, None])[:, 0]
+        del top
+    rows = []
+    for name in chosen:
+        rows.append(measure(name, fns[name], h, w, ids, k, ms, args.device))
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps(rows[-1]), flush=True)
+    base = next((r.get("fwd_ms") for r in rows if r["method"] == "cublas"), None)
+    ours = next((r.get("fwd_ms") for r in rows if r["method"] == "ours"), None)
+    print("| method | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        cells = [r.get(key) for key in ("fwd_ms", "fwd_mib", "fwd_bwd_ms", "fwd_bwd_mib")]
+        print(f"| {r['method']} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
+    if base and ours:
+        verdict = "MET" if ours / base <= TARGET_FWD_VS_CUBLAS else "MISSED"
+        print(f"target top-k (k={k}) forward <= {TARGET_FWD_VS_CUBLAS}x cuBLAS logits GEMM: {verdict} "
+              f"({ours:.2f} ms / {base:.2f} ms = {ours / base:.3f}x)")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                "date": time.strftime("%Y-%m-%d")}
+        (Path(args.out) / "bench_topk.json").write_text(json.dumps({"info": info, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,286 @@
+"""Per-row top-k of an lm_head's logits or log-probs without the ``[N, V]`` logits (issue 25, item 2),
+and the log-probs renormalised over each row's top-k kept set built on it (item 3).
+
+With ``u = softcap·tanh(z·scale/softcap)`` (``u = z·scale`` without a softcap; a temperature ``T``
+is folded in as for the log-prob op, ``options.fold_temperature``) and ``z = hidden @ weight.T + bias``:
+
+* values, indices: the ``k`` largest ``u`` of each row and their columns, largest first
+  (``torch.topk(u, k)``), or with ``log_probs`` the ``k`` largest ``u − logsumexp(u)`` (the same
+  columns: the log-softmax is monotone in ``u``);
+* the kept-set log-prob of a target ``t`` over the top-k set ``K`` (``kept_log_probs``):
+  ``u_t − logsumexp_K(u)`` where ``t ∈ K``, ``−inf`` where it is not (what eager's
+  ``masked_fill(u < kth, −inf).log_softmax(-1).gather(...)`` gives, gradients included).
+
+The op runs over row chunks sized from a memory budget: each chunk's logits come from one GEMM
+(cuBLAS on CUDA: the same logits as eager's matmul) and ``torch.topk`` over them, so the indices are
+those ``torch.topk`` picks on that device; where ``scale`` is 1 and there is no softcap the raw
+logits' top-k is taken in their own dtype, exactly eager's ``torch.topk(z, k)``. Ties that rounding
+to the logits' dtype creates (eager's ``log_softmax`` of bf16 logits rounds the log-probs to bf16
+too) may be broken differently from eager's, as torch.topk documents no order among ties.
+
+``inductor_xent::linear_topk(hidden, weight, bias, k, logit_scale, softcap, log_probs) -> (values,
+indices, lse)``: values (N, k) in the compute dtype (fp32 for 16-bit inputs), indices (N, k) int64,
+lse (N,) (empty (0,) without ``log_probs``; not differentiable). Differentiable in values; its
+backward ``inductor_xent::linear_topk_bwd`` recomputes each chunk's logits (three GEMMs per chunk, as
+eager's backward of the matmul after its own forward's) and scatters the incoming gradients at the
+indices (minus the softmax times their sum for log-probs): deterministic, no atomics.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import config, options, strategy
+from .options import compute_dtype
+
+# a chunk's bytes per logit: the logits in the input dtype and two compute-dtype copies (u, and
+# torch.topk's or the backward's scratch)
+BYTES_PER_LOGIT = 2 + 4 + 4
+# a chunk's working set on a GPU: GEMMs of a few thousand rows run near cuBLAS's peak
+CUDA_CHUNK_BYTES = 2 * 2**30
+
+
+class TopK(NamedTuple):
+    """``linear_topk``'s result, as ``torch.topk``'s: values and indices, each ``[..., k]``."""
+
+    values: Tensor
+    indices: Tensor
+
+
+def chunk_rows(n: int, v: int, device: torch.device) -> int:
+    budget = CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
+    return max(1, min(n, budget // max(1, v * BYTES_PER_LOGIT)))
+
+
+def _scaled(z: Tensor, logit_scale: float, softcap: Optional[float]) -> tuple[Tensor, Optional[Tensor]]:
+    """(u, x): the scaled (and capped) logits in the compute dtype, and ``x = z·scale/softcap`` under
+    a softcap (its derivative's ``sech²(x)``), else None."""
+    u = z.to(compute_dtype(z.dtype))
+    if logit_scale != 1.0:
+        u = u * logit_scale
+    if softcap is None:
+        return u, None
+    x = u / softcap
+    return torch.tanh(x) * softcap, x
+
+
+def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional[float], log_probs: bool):
+    n, v = hidden.shape[0], weight.shape[0]
+    cd = compute_dtype(hidden.dtype)
+    values = hidden.new_empty((n, k), dtype=cd)
+    indices = hidden.new_empty((n, k), dtype=torch.long)
+    lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
+    raw = logit_scale == 1.0 and softcap is None
+    step = chunk_rows(n, v, hidden.device)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        z = F.linear(hidden[sl], weight, bias)
+        if raw and not log_probs:  # eager's torch.topk(z, k) itself, in the logits' dtype
+            top = torch.topk(z, k, dim=-1)
+            values[sl], indices[sl] = top.values, top.indices
+            continue
+        u = z.to(cd) if raw else _scaled(z, logit_scale, softcap)[0]
+        del z
+        torch.topk(u, k, dim=-1, out=(values[sl], indices[sl]))
+        if log_probs:
+            lse[sl] = torch.logsumexp(u, dim=-1)
+            values[sl] -= lse[sl, None]
+    return values, indices, lse
+
+
+def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: float, softcap: Optional[float],
+              log_probs: bool, needs: tuple[bool, bool, bool]):
+    n, v = hidden.shape[0], weight.shape[0]
+    cd = compute_dtype(hidden.dtype)
+    step = chunk_rows(n, v, hidden.device)
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
+    # the weight's and bias's sums over the chunks, in fp32 where a 16-bit one would be rounded too
+    # often (strategy.fp32_accumulate: the store strategy's rule)
+    wide = strategy.fp32_accumulate(n, step, weight.element_size(), True)
+    grad_w = torch.zeros(weight.shape, dtype=cd if wide else weight.dtype, device=weight.device) if need_w \
+        else weight.new_empty(0)
+    grad_b = torch.zeros(v, dtype=cd, device=weight.device) if need_b else weight.new_empty(0)
+    g_all = grad_values.to(cd)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        u, x = _scaled(F.linear(hidden[sl], weight, bias), logit_scale, softcap)
+        g = g_all[sl]
+        du = torch.zeros_like(u).scatter_(1, indices[sl], g)
+        if log_probs:  # d(u_j − lse)/du = onehot_j − softmax(u)
+            du -= torch.exp(u - lse[sl, None]) * g.sum(-1, keepdim=True)
+        del u
+        dz = du.mul_(logit_scale)
+        if x is not None:
+            dz *= x.cosh_().square_().reciprocal_()  # sech²(x), no cancellation where tanh saturates
+        dz = dz.to(hidden.dtype)
+        if need_h:
+            grad_h[sl] = dz @ weight
+        if need_w:
+            if grad_w.dtype == dz.dtype:
+                grad_w.addmm_(dz.t(), hidden[sl])
+            elif dz.device.type == "cuda":
+                torch.addmm(grad_w, dz.t(), hidden[sl], out_dtype=grad_w.dtype, out=grad_w)
+            else:
+                grad_w += dz.t().to(cd) @ hidden[sl].to(cd)
+        if need_b:
+            grad_b += dz.sum(0, dtype=cd)
+    return grad_h, grad_w.to(weight.dtype), grad_b.to(bias.dtype) if need_b else grad_b
+
+
+@torch.library.custom_op("inductor_xent::linear_topk", mutates_args=())
+def linear_topk_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: int, logit_scale: float,
+                    softcap: Optional[float], log_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _forward(hidden, weight, bias, k, logit_scale, softcap, log_probs)
+
+
+@linear_topk_fwd.register_fake
+def _(hidden, weight, bias, k, logit_scale, softcap, log_probs):
+    n, cd = hidden.shape[0], compute_dtype(hidden.dtype)
+    return (hidden.new_empty((n, k), dtype=cd), hidden.new_empty((n, k), dtype=torch.long),
+            hidden.new_empty((n,) if log_probs else (0,), dtype=cd))
+
+
+@torch.library.custom_op("inductor_xent::linear_topk_bwd", mutates_args=())
+def linear_topk_bwd(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], indices: Tensor,
+                    lse: Tensor, logit_scale: float, softcap: Optional[float], log_probs: bool, needs_hidden: bool,
+                    needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale, softcap, log_probs,
+                     (needs_hidden, needs_weight, needs_bias))
+
+
+@linear_topk_bwd.register_fake
+def _(grad_values, hidden, weight, bias, indices, lse, logit_scale, softcap, log_probs, needs_hidden, needs_weight,
+      needs_bias):
+    return (hidden.new_empty(hidden.shape) if needs_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if needs_weight else weight.new_empty(0),
+            bias.new_empty(bias.shape) if needs_bias and bias is not None else weight.new_empty(0))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, k, logit_scale, softcap, log_probs = inputs
+    _, indices, lse = output
+    ctx.save_for_backward(hidden, weight, bias, indices, lse)
+    ctx.mark_non_differentiable(indices, lse)
+    ctx.set_materialize_grads(False)
+    ctx.options = (logit_scale, softcap, log_probs)
+
+
+def _autograd_backward(ctx, grad_values, *_unused):
+    hidden, weight, bias, indices, lse = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and bias is not None
+    if grad_values is None or not (need_h or need_w or need_b):
+        return (None,) * 7
+    gh, gw, gb = linear_topk_bwd(grad_values, hidden, weight, bias, indices, lse, *ctx.options, need_h, need_w, need_b)
+    return gh if need_h else None, gw if need_w else None, gb if need_b else None, None, None, None, None
+
+
+linear_topk_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+TOPK = torch.ops.inductor_xent.linear_topk.default
+TOPK_BACKWARD = torch.ops.inductor_xent.linear_topk_bwd.default
+
+
+def _check_k(k, v: int, name: str = "k") -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"{name} must be an int, got {type(k).__name__}")
+    if not 1 <= k <= v:
+        raise ValueError(f"{name} must be in [1, V] = [1, {v}], got {k}")
+    return k
+
+
+def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(f"hidden [..., D] and weight [V, D] do not match: {tuple(hidden.shape)}, "
+                         f"{tuple(weight.shape)}")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise TypeError(f"hidden, weight and bias need one dtype, got {hidden.dtype}, {weight.dtype}"
+                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+
+
+def _scale_and_cap(temperature, logit_scale, softcap) -> tuple[float, Optional[float]]:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
+            or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    return options.fold_temperature(float(logit_scale), None if softcap is None else float(softcap),
+                                    float(temperature))
+
+
+def linear_topk(
+    hidden: Tensor,
+    weight: Tensor,
+    k: int,
+    *,
+    bias: Optional[Tensor] = None,
+    log_probs: bool = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+) -> TopK:
+    """The ``k`` largest logits of each row (``log_probs``: log-probabilities) and their vocabulary
+    ids, largest first, without the ``[..., V]`` logits (module docstring). Equal, up to rounding
+    and the order among ties, to::
+
+        z = F.linear(hidden, weight, bias).float() * logit_scale      # then the softcap, / temperature
+        torch.topk(F.log_softmax(z, -1) if log_probs else z, k)
+
+    ``values`` are in the compute dtype (fp32 for 16-bit inputs) and differentiable; ``indices``
+    int64; both ``[..., k]``."""
+    _check_head(hidden, weight, bias)
+    k = _check_k(k, weight.shape[0])
+    scale, cap = _scale_and_cap(temperature, logit_scale, softcap)
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    values, indices, _ = TOPK(h2, weight, bias, k, scale, cap, bool(log_probs))
+    lead = hidden.shape[:-1]
+    return TopK(values.reshape(*lead, k), indices.reshape(*lead, k))
+
+
+def kept(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, top_k: Union[int, Tensor],
+         logit_scale: float, softcap: Optional[float], ignore_index: int, need_entropy: bool,
+         need_argmax: bool) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``linear_log_probs(..., top_k=)`` on 2-D inputs (a temperature folded into ``logit_scale`` and
+    ``softcap``): per row the log-probability of ``target`` under the distribution restricted to the
+    row's ``top_k`` largest logits and renormalised (``−inf`` where the target is outside that kept
+    set, 0 on ignored rows), that distribution's entropy (0 on ignored rows) and its top column.
+    ``top_k`` is one int or one per row ((N,), each in [1, V]: the op runs at the largest, read
+    with one host synchronisation). Gradients as eager's masked log-softmax gives them (the
+    target's column where it is kept, the logsumexp's to every kept column)."""
+    v = weight.shape[0]
+    if isinstance(top_k, Tensor):
+        if top_k.shape != target.shape or top_k.dtype == torch.bool or top_k.is_floating_point() \
+                or top_k.is_complex():
+            raise ValueError(f"a top_k tensor must hold integers, one per row of target {tuple(target.shape)}; "
+                             f"got {top_k.dtype} {tuple(top_k.shape)}")
+        lo, hi = (int(x) for x in torch.aminmax(top_k))  # the op's k (one host synchronisation)
+        if lo < 1 or hi > v:
+            raise ValueError(f"every top_k must be in [1, V] = [1, {v}], got values in [{lo}, {hi}]")
+        k = hi
+    else:
+        k = _check_k(top_k, v, "top_k")
+    values, indices, _ = TOPK(hidden2d, weight, bias, k, logit_scale, softcap, False)
+    kept_cols = None
+    if isinstance(top_k, Tensor):
+        kept_cols = torch.arange(k, device=values.device)[None, :] < top_k.to(values.device)[:, None]
+        values = values.masked_fill(~kept_cols, float("-inf"))
+    valid = target != ignore_index
+    hit = indices == torch.where(valid, target, -1)[:, None]
+    if kept_cols is not None:
+        hit &= kept_cols
+    # u_t where the target is kept (−inf where not): its gradient flows to that column alone
+    picked = torch.where(hit.any(-1), values.masked_fill(~hit, 0.0).sum(-1), float("-inf"))
+    logp = values - torch.logsumexp(values, dim=-1, keepdim=True)
+    rows = picked - torch.logsumexp(values, dim=-1)
+    zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
+    entropy = None
+    if need_entropy:  # −Σ p log p over the kept columns (p = 0 outside them)
+        p = logp.exp()
+        entropy = torch.where(valid, -(p * logp.masked_fill(p == 0, 0.0)).sum(-1), zero)
+    return torch.where(valid, rows, zero), entropy, indices[:, 0] if need_argmax else None

@@ -1,0 +1,325 @@
+"""Per-row top-k of an lm_head (inductor_xent/topk.py, issue 25 items 2 and 3): ``linear_topk``'s
+values, indices and gradients against eager ``torch.topk`` over materialised logits (float64
+oracle, tolerance relative to torch's own error), in several row chunks, and the kept-set
+log-probs ``linear_log_probs(..., top_k=)`` against eager's masked log-softmax; the ops' schemas;
+errors; on a GPU the same in bf16 (cuda-marked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inductor_xent
+from inductor_xent import topk
+
+from .helpers import assert_within_torch_error, fallback_chunks
+
+N, D, V = 45, 24, 211
+CUDA = torch.cuda.is_available()
+
+
+def _inputs(seed=0, dtype=torch.float32, device="cpu", bias=True):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, N // 3, D, generator=g)
+    w = torch.randn(V, D, generator=g) * 0.5
+    b = torch.randn(V, generator=g) if bias else None
+    y = torch.randint(0, V, (3, N // 3), generator=g)
+    y[0, :4] = -100
+    return [None if t is None else t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+            for t in (h, w, b)] + [y.to(device)]
+
+
+def _eager_logits(h, w, b, scale, cap, temperature, dtype=None):
+    """The logits as users compute them: the matmul in the inputs' dtype, then in ``dtype``."""
+    z = F.linear(h, w, b)
+    z = z.to(dtype or (torch.float64 if h.dtype == torch.float64 else torch.float32)) * scale
+    if cap is not None:
+        z = cap * torch.tanh(z / cap)
+    return z / temperature
+
+
+def _leaves(ts, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in ts]
+
+
+def _grads(out, leaves, g):
+    return torch.autograd.grad(out, [t for t in leaves if t is not None], g)
+
+
+OPTIONS = {  # name -> (logit_scale, softcap, temperature)
+    "plain": (1.0, None, 1.0),
+    "temperature": (1.0, None, 0.7),
+    "scale_softcap": (1.3, 4.0, 0.8),
+}
+
+
+@pytest.mark.parametrize("log_probs", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+@pytest.mark.parametrize("k", [1, 17])
+def test_linear_topk_matches_eager(name, log_probs, k):
+    """Indices equal eager's topk of the fp32 logits (random logits: no ties), values and gradients
+    within torch's own error against float64, over several row chunks of the chunked op."""
+    scale, cap, temp = OPTIONS[name]
+    h, w, b, _ = _inputs(seed=k)
+    g = torch.randn(3, N // 3, k, generator=torch.Generator().manual_seed(7))
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        lv = _leaves((h, w, b), dtype)
+        z = _eager_logits(*lv, scale, cap, temp)
+        ref = torch.topk(F.log_softmax(z, -1) if log_probs else z, k)
+        results.append((ref, _grads(ref.values, lv, g.to(dtype))))
+    lv = _leaves((h, w, b))
+    with fallback_chunks(V * 4 * 7):  # 7 rows a chunk: 7 chunks
+        ours = inductor_xent.linear_topk(lv[0], lv[1], k, bias=lv[2], log_probs=log_probs, temperature=temp,
+                                         logit_scale=scale, softcap=cap)
+        our_grads = _grads(ours.values, lv, g)
+    (exact, exact_grads), (same, same_grads) = results
+    assert torch.equal(ours.indices, exact.indices) and torch.equal(ours.indices, same.indices)
+    assert ours.values.dtype == torch.float32 and ours.values.shape == (3, N // 3, k)
+    assert_within_torch_error(ours.values, same.values, exact.values, what="values")
+    for name_, a, s, e in zip(("hidden", "weight", "bias"), our_grads, same_grads, exact_grads):
+        assert_within_torch_error(a, s, e, what=name_)
+
+
+def test_linear_topk_raw_logits_are_eagers_topk_bitwise():
+    """Without a scale, softcap or temperature the top-k of the raw logits is torch.topk of the same
+    matmul's output: the same bits, ties included (bf16 logits tie often)."""
+    h, w, b, _ = _inputs(seed=3, dtype=torch.bfloat16)
+    h = (h * 4).round() / 4  # coarse values: many tied logits
+    ours = inductor_xent.linear_topk(h, w, 9, bias=b)
+    ref = torch.topk(F.linear(h, w, b), 9)
+    assert torch.equal(ours.indices, ref.indices)
+    assert torch.equal(ours.values, ref.values.float())
+
+
+def _kept_eager(h, w, b, y, k, temp, cap, dtype=None):
+    """Top-k sampling replayed the way trainers spell it: the logits below the k-th set to −inf,
+    then the log-softmax at the target; and the entropy of that distribution."""
+    u = _eager_logits(h, w, b, 1.0, cap, temp, dtype)
+    srt = u.sort(-1, descending=True).values
+    kth = srt[..., k - 1: k] if isinstance(k, int) else srt.gather(-1, (k - 1).unsqueeze(-1))
+    logp = u.masked_fill(u < kth, float("-inf")).log_softmax(-1)
+    valid = y != -100
+    lp = torch.where(valid, logp.gather(-1, y.where(valid, 0).unsqueeze(-1)).squeeze(-1), 0.0)
+    p = logp.exp()
+    ent = torch.where(valid, -(p * logp.masked_fill(p == 0, 0.0)).sum(-1), 0.0)
+    return lp, ent, u.argmax(-1)
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_kept_set_log_probs_match_eager(per_row, cap):
+    """linear_log_probs(top_k=) against eager's masked log-softmax: log-probs (−inf where the target
+    is not kept), the kept distribution's entropy, the argmax, and gradients through all of them,
+    the −inf rows' included (eager pushes the kept logits down there too)."""
+    h, w, b, y = _inputs(seed=11)
+    gen = torch.Generator().manual_seed(12)
+    k = torch.randint(1, 40, y.shape, generator=gen) if per_row else 30
+    g_lp, g_ent = torch.randn(2, *y.shape, generator=gen)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        lv = _leaves((h, w, b), dtype)
+        lp, ent, arg = _kept_eager(*lv, y, k, 0.7, cap)
+        fin = torch.isfinite(lp)
+        loss = (torch.where(fin, lp, 0.0) * g_lp.to(dtype)).sum() + (ent * g_ent.to(dtype)).sum()
+        results.append((lp, ent, arg, _grads(loss, lv, None), fin))
+    lv = _leaves((h, w, b))
+    with fallback_chunks(V * 4 * 10):
+        out = inductor_xent.linear_log_probs(lv[0], lv[1], y, bias=lv[2], temperature=0.7, softcap=cap, top_k=k,
+                                             entropy=True, argmax=True)
+        fin = torch.isfinite(out.log_probs)
+        loss = (torch.where(fin, out.log_probs, 0.0) * g_lp).sum() + (out.entropy * g_ent).sum()
+        ours = _grads(loss, lv, None)
+    (e_lp, e_ent, e_arg, e_grads, e_fin), (s_lp, s_ent, _, s_grads, _) = results
+    assert torch.equal(fin, e_fin) and (~fin).any() and fin.any()  # some targets outside the kept set
+    assert torch.all(out.log_probs[~fin] == float("-inf"))
+    assert torch.equal(out.argmax, e_arg)
+    assert_within_torch_error(out.log_probs[fin], s_lp[fin], e_lp[fin], what="log_probs")
+    assert_within_torch_error(out.entropy, s_ent, e_ent, what="entropy")
+    for name, a, s, e in zip(("hidden", "weight", "bias"), ours, s_grads, e_grads):
+        assert_within_torch_error(a, s, e, what=name)
+
+
+def test_kept_set_of_every_column_is_the_plain_log_probs():
+    """top_k = V keeps everything: the plain log-probs (a check that the kept set's renormalisation
+    is the full logsumexp there)."""
+    h, w, b, y = _inputs(seed=13)
+    kept = inductor_xent.linear_log_probs(h, w, y, bias=b, temperature=1.3, top_k=V, entropy=True)
+    plain = inductor_xent.linear_log_probs(h, w, y, bias=b, temperature=1.3, entropy=True)
+    torch.testing.assert_close(kept.log_probs, plain.log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kept.entropy, plain.entropy, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (dict(k=0), ValueError, "k must be in [1, V]"),
+    (dict(k=V + 1), ValueError, "k must be in [1, V]"),
+    (dict(k=2.0), TypeError, "k must be an int"),
+    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(weight_dtype=torch.float64), TypeError, "one dtype"),
+])
+def test_linear_topk_rejects(bad, error, words):
+    h, w, b, _ = _inputs()
+    if "weight_dtype" in bad:
+        w = w.to(bad["weight_dtype"])
+    with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+        inductor_xent.linear_topk(h, w, bad.get("k", 3), bias=b, temperature=bad.get("temperature", 1.0))
+
+
+@pytest.mark.parametrize("top_k, words", [
+    (0, "top_k must be in"),
+    (torch.zeros(3, N // 3, dtype=torch.long), "every top_k must be in"),
+    (torch.full((3, N // 3), V + 1), "every top_k must be in"),
+    (torch.ones(N), "must have target's shape"),
+    (torch.ones(3, N // 3), "must hold integers"),
+])
+def test_kept_set_rejects(top_k, words):
+    h, w, b, y = _inputs()
+    with pytest.raises(ValueError, match=words):
+        inductor_xent.linear_log_probs(h, w, y, bias=b, top_k=top_k)
+
+
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_opcheck_topk_ops(log_probs):
+    """The ops' schemas, fake shapes and autograd registration."""
+    h, w, b, _ = _inputs(seed=2)
+    h2 = h.reshape(-1, D)
+    args = (h2.requires_grad_(), w.requires_grad_(), b, 6, 1.2, 3.0, log_probs)
+    torch.library.opcheck(topk.TOPK, args)
+    values, indices, lse = topk.TOPK(*args)
+    assert lse.shape == ((N,) if log_probs else (0,))
+    grad_args = (torch.randn(N, 6), h2.detach(), w.detach(), b, indices, lse, 1.2, 3.0, log_probs, True, True, True)
+    torch.library.opcheck(topk.TOPK_BACKWARD, grad_args)
+
+
+def test_linear_topk_compiles_into_one_op():
+    """Under torch.compile (fullgraph) the API is one op in the graph, with eager's results."""
+    h, w, b, _ = _inputs(seed=4)
+
+    def fn(h, w, b):
+        out = inductor_xent.linear_topk(h, w, 5, bias=b, log_probs=True, temperature=0.9)
+        return out.values.sum(-1), out.indices
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(h, w, b)
+    want = fn(h, w, b)
+    torch.testing.assert_close(got[0], want[0])
+    assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the cuBLAS logits and torch.topk of the GPU)")
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_linear_topk_cuda_bf16(log_probs):
+    """bf16 on the GPU, a vocabulary of 32000 and k = 64 over several chunks: indices as eager's topk
+    of the fp32-upcast logits wherever the k-th and (k+1)-th values are apart, values and gradients
+    within torch's own error."""
+    g = torch.Generator().manual_seed(5)
+    n, d, v, k = 1024, 256, 32000, 64
+    h = torch.randn(n, d, generator=g).cuda()
+    w = (torch.randn(v, d, generator=g) * 0.2).cuda()
+    up = torch.randn(n, k, generator=g).cuda()
+    results = []
+    for dtype in (torch.float64, torch.bfloat16):
+        lv = _leaves((h, w), dtype)
+        z = F.linear(*lv).float() if dtype == torch.bfloat16 else F.linear(*lv)
+        ref = torch.topk(F.log_softmax(z, -1) if log_probs else z, k)
+        results.append((ref, _grads(ref.values, lv, up.to(ref.values.dtype))))
+    lv = _leaves((h, w), torch.bfloat16)
+    old = topk.CUDA_CHUNK_BYTES
+    topk.CUDA_CHUNK_BYTES = 300 * v * topk.BYTES_PER_LOGIT  # 300 rows a chunk
+    try:
+        ours = inductor_xent.linear_topk(lv[0], lv[1], k, log_probs=log_probs)
+        our_grads = _grads(ours.values, lv, up)
+    finally:
+        topk.CUDA_CHUNK_BYTES = old
+    (exact, exact_grads), (same, same_grads) = results
+    assert torch.equal(ours.indices, same.indices)  # the same bf16 logits, upcast: the same order
+    assert_within_torch_error(ours.values, same.values, exact.values, what="values")
+    for name, a, s, e in zip(("hidden", "weight"), our_grads, same_grads, exact_grads):
+        assert_within_torch_error(a, s, e, what=name)
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass: torch.topk over the logits, their log_softmax or softmax
+# ---------------------------------------------------------------------------------------------
+def _topk_log_probs(x, W, y):
+    """A student's top-k log-probs at a temperature (top-k distillation), values and ids returned."""
+    v, i = torch.topk(F.log_softmax(F.linear(x, W).float() / 0.7, -1), 6)
+    return v.exp().sum(-1).mean() + v.mean(), i
+
+
+def _loss_and_topk_accuracy(x, W, y):
+    """The training loss and a top-3 accuracy over the same logits: two ops, one matmul erased."""
+    z = F.linear(x, W)
+    loss = F.cross_entropy(z.view(-1, z.shape[-1]), y.view(-1))
+    hit = (z.topk(3, dim=-1).indices == y[..., None]).any(-1)
+    return loss, hit.float().mean()
+
+
+def _softmax_topk_values(x, W, y):
+    top = F.softmax(x @ W.t(), dim=-1).topk(4, sorted=False)
+    return (top.values * 2).sum(), top.indices
+
+
+SPELLINGS = {"log_probs": (_topk_log_probs, "top-k op (k=6, of the log-probs)"),
+             "with_loss": (_loss_and_topk_accuracy, "top-k op (k=3, of the logits)"),
+             "softmax": (_softmax_topk_values, "top-k op (k=4, of the probs)")}
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_topk_spellings_fuse_with_eager_results(name):
+    """The spelling compiled with the backend: fused (explain says the top-k op), no [N, V] tensor
+    in AOTAutograd's graphs, values, ids and gradients as eager's."""
+    from .helpers import assert_all_smaller
+
+    fn, words = SPELLINGS[name]
+    h, w, _, y = _inputs(seed=21)
+    y = y.clamp(min=0)
+    report = inductor_xent.explain(fn, h, w, y)
+    (site,) = report.sites
+    assert site.fused and words in site.reason, report
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from inductor_xent import patterns
+
+    aot, sites = AotEagerAndRecordGraphs(), []
+
+    def backend(gm, example_inputs):
+        sites.extend(patterns.run(gm))
+        return aot(gm, example_inputs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=backend)
+    lv, le = _leaves((h, w)), _leaves((h, w))
+    got, want = compiled(lv[0], lv[1], y), fn(le[0], le[1], y)
+    assert [x.fused for x in sites] == [True]
+    assert any(topk.TOPK in [n.target for n in g.graph.nodes] for g in aot.fw_graphs)
+    assert_all_smaller(aot.fw_graphs + aot.bw_graphs, N * V)
+    for a, b in zip(got, want):
+        if not a.is_floating_point():  # sorted=False: eager's order is unspecified, ours sorted
+            assert torch.equal(a, b) if name != "softmax" else torch.equal(a.sort(-1).values, b.sort(-1).values)
+        elif a.requires_grad:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+            for ga, gb in zip(torch.autograd.grad(a, lv[:2]), torch.autograd.grad(b, le[:2])):
+                torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
+        else:
+            torch.testing.assert_close(a, b)
+
+
+def _smallest(x, W, y):
+    return torch.topk(F.linear(x, W), 3, largest=False).values.sum()
+
+
+def _minus_logsumexp(x, W, y):
+    z = F.linear(x, W)
+    return torch.topk(z - torch.logsumexp(z, -1, keepdim=True), 3).values.sum()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("fn, words", [(_smallest, "largest=False"), (_minus_logsumexp, "spell it log_softmax")])
+def test_topk_declines_with_reason(fn, words):
+    h, w, _, y = _inputs(seed=22)
+    (site,) = inductor_xent.explain(fn, h, w, y).sites
+    assert not site.fused and words in site.reason, site
