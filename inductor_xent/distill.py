@@ -22,9 +22,14 @@ gradients) recomputes the chunks in the backward instead. The teacher gets gradi
 inputs require them (then two more GEMMs per chunk).
 
 ``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
-scale_s, scale_t, reduction, needs) -> (loss, gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the loss ((N,) or
-0-dim float32) and, for a reduced loss, the gradients (empty where not needed; not differentiable);
-``inductor_xent::linear_distill_bwd(grad_rows, ...)`` the per-row case's backward.
+scale_s, scale_t, reduction, needs, soft_weight=1.0, hard_weight=0.0, mask_divergence=True) -> (loss,
+gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the loss ((N,) or 0-dim float32) and, for a reduced loss, the
+gradients (empty where not needed; not differentiable); ``inductor_xent::linear_distill_bwd(grad_rows,
+...)`` the per-row case's backward. The loss is ``soft_weight`` times the divergence plus
+``hard_weight`` times the student's hard-label cross-entropy of ``target`` (its raw logits, the mean
+over the labelled rows; per row for ``none``), both from the same chunk of student logits;
+``mask_divergence`` False counts every row's divergence, the unlabelled ones too (the pass's
+``α·CE + β·KD``, whose KD has no mask).
 """
 
 from __future__ import annotations
@@ -92,17 +97,31 @@ def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: 
 
 
 def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Tensor], kind: str, beta: float,
-                scale_s: float, scale_t: float, grad_s: bool, grad_t: bool):
+                scale_s: float, scale_t: float, grad_s: bool, grad_t: bool, target: Optional[Tensor] = None,
+                g_ce: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None):
     """One chunk's rows (0 where not ``valid``) and the gradients with respect to the two heads'
-    logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``."""
+    logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``.
+    With ``target`` also the student's hard-label cross-entropy rows ``lse(zs) − zs[target]`` (its
+    raw logits, no temperature; 0 where not ``ce_valid``), returned third, and with ``g_ce`` (its
+    rows' gradients) their gradient ``softmax(zs) − onehot`` joins the student's."""
     work = compute_dtype(zs.dtype)
     rows, du_s, du_t = _rows(kind, beta, zs.to(work) * scale_s, zt.to(work) * scale_t, grad_s, grad_t)
     if valid is not None:
         rows = torch.where(valid, rows, 0.0)
         g = None if g is None else torch.where(valid, g, 0.0)
+    ce = None
+    if target is not None:
+        ls1 = torch.log_softmax(zs.to(work), -1)
+        t = torch.where(ce_valid, target, 0)[:, None]
+        ce = torch.where(ce_valid, -ls1.gather(1, t)[:, 0], 0.0)
+        if g_ce is not None and grad_s:
+            g_ce = torch.where(ce_valid, g_ce, 0.0)[:, None]
+            du_ce = (ls1.exp() * g_ce).scatter_add_(1, t, -g_ce)
+            du_s = du_ce if du_s is None else du_s * (g * scale_s)[:, None] + du_ce
+            return rows, du_s.to(zs.dtype), ce, None if du_t is None else (du_t * (g * scale_t)[:, None]).to(zt.dtype)
     dz_s = None if du_s is None else (du_s * (g * scale_s)[:, None]).to(zs.dtype)  # d/dz = d/du * scale
     dz_t = None if du_t is None else (du_t * (g * scale_t)[:, None]).to(zt.dtype)
-    return rows, dz_s, dz_t
+    return rows, dz_s, ce, dz_t
 
 
 _fused_chunk_math = None
@@ -130,12 +149,16 @@ def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 
 def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
-            scale_t: float, row_grad: Optional[Tensor], needs: tuple):
-    """The loss rows and, when ``row_grad`` (the incoming gradient of each row) is given, the
-    gradients ``needs`` asks for (hs, ws, bs, ht, wt, bt)."""
+            scale_t: float, row_grad: Optional[Tensor], needs: tuple, ce: bool = False,
+            ce_grad: Optional[Tensor] = None, mask_divergence: bool = True):
+    """The loss rows (and with ``ce`` the student's hard-label cross-entropy rows, else None) and,
+    when ``row_grad`` (the incoming gradient of each divergence row) is given, the gradients
+    ``needs`` asks for (hs, ws, bs, ht, wt, bt); ``ce_grad`` those of the cross-entropy rows.
+    ``mask_divergence`` False: the divergence of every row, the target's ignored ones included."""
     n, v = hs.shape[0], ws.shape[0]
     work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
+    ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
     step = chunk_rows(n, v, hs.device)
     grads = [None] * 6
     if row_grad is not None:
@@ -150,11 +173,16 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
-        valid = None if target is None else (target[sl] != ignore_index)
+        labelled = None if target is None else (target[sl] != ignore_index)
+        valid = labelled if mask_divergence else None
         g = None if row_grad is None else row_grad[sl]
-        rows, dz_s, dz_t = math_fn(zs, zt, g, valid, kind, beta, scale_s, scale_t, grad_s, grad_t)
+        rows, dz_s, ce_rows, dz_t = math_fn(zs, zt, g, valid, kind, beta, scale_s, scale_t, grad_s, grad_t,
+                                            target[sl] if ce else None, None if ce_grad is None else ce_grad[sl],
+                                            labelled if ce else None)
         del zs, zt
         rows_out[sl] = rows
+        if ce:
+            ce_out[sl] = ce_rows
         for dz, (h, w, b), first in ((dz_s, (hs, ws, bs), 0), (dz_t, (ht, wt, bt), 3)):
             if dz is None:
                 continue
@@ -167,7 +195,7 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     for i, t in enumerate((hs, ws, bs, ht, wt, bt)):
         if grads[i] is not None:
             grads[i] = grads[i].to(t.dtype)
-    return rows_out, grads
+    return rows_out, ce_out, grads
 
 
 def _valid(target: Optional[Tensor], ignore_index: int, n: int, device) -> Tensor:
@@ -194,20 +222,46 @@ def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 @torch.library.custom_op("inductor_xent::linear_distill_fwd", mutates_args=())
 def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
                        target: Optional[Tensor], ignore_index: int, kind: str, beta: float, scale_s: float,
-                       scale_t: float, reduction: str, needs: list[bool]) -> Out7:
+                       scale_t: float, reduction: str, needs: list[bool], soft_weight: float = 1.0,
+                       hard_weight: float = 0.0, mask_divergence: bool = True) -> Out7:
+    _check_weights(target, soft_weight, hard_weight)
+    ce = hard_weight != 0.0
+    mixing = dict(ce=ce, mask_divergence=mask_divergence)
     if reduction == "none":
-        rows, _ = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, None, needs)
-        return (rows, *(_empty(t, hs) for t in (hs, ws, bs, ht, wt, bt)))
+        rows, ce_rows, _ = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, None,
+                                   needs, **mixing)
+        return (_mixed(rows, ce_rows, soft_weight, hard_weight), *(_empty(t, hs) for t in (hs, ws, bs, ht, wt, bt)))
     # the reduced loss: the gradient of each row is known now
-    valid = _valid(target, ignore_index, hs.shape[0], hs.device)
-    row_grad = _row_weights(valid, reduction, compute_dtype(hs.dtype))
-    rows, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad, needs)
-    loss = _reduced(rows, valid, reduction)
+    labelled = _valid(target, ignore_index, hs.shape[0], hs.device)
+    valid = labelled if mask_divergence else _valid(None, ignore_index, hs.shape[0], hs.device)
+    work = compute_dtype(hs.dtype)
+    row_grad = _row_weights(valid, reduction, work) * soft_weight
+    ce_grad = options.reduction_weights(labelled, "mean", work) * hard_weight if ce else None
+    rows, ce_rows, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
+                                   row_grad, needs, ce_grad=ce_grad, **mixing)
+    loss = _reduced(rows, valid, reduction) * soft_weight
+    if ce:
+        loss = loss + options.reduced(ce_rows.sum(), labelled, "mean") * hard_weight
     return (loss, *(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt))))
 
 
+def _check_weights(target: Optional[Tensor], soft_weight: float, hard_weight: float) -> None:
+    if hard_weight != 0.0 and target is None:
+        raise ValueError("a hard-label cross-entropy (hard_weight != 0) needs the target")
+    for name, x in (("soft_weight", soft_weight), ("hard_weight", hard_weight)):
+        if not math.isfinite(x):
+            raise ValueError(f"{name} must be finite, got {x}")
+
+
+def _mixed(rows: Tensor, ce_rows: Optional[Tensor], soft_weight: float, hard_weight: float) -> Tensor:
+    """Per row: soft_weight · divergence + hard_weight · cross-entropy."""
+    rows = rows * soft_weight if soft_weight != 1.0 else rows
+    return rows if ce_rows is None else rows + ce_rows * hard_weight
+
+
 @linear_distill_fwd.register_fake
-def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs):
+def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, soft_weight=1.0,
+      hard_weight=0.0, mask_divergence=True):
     dt = compute_dtype(hs.dtype)
     loss = hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt)
     grads = [t.new_empty(t.shape) if (need and t is not None and reduction != "none") else
@@ -218,21 +272,28 @@ def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t
 @torch.library.custom_op("inductor_xent::linear_distill_bwd", mutates_args=())
 def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
                        bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str, beta: float,
-                       scale_s: float, scale_t: float, needs: list[bool]) -> Out6:
-    _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
-                       grad_rows.to(compute_dtype(hs.dtype)), needs)
+                       scale_s: float, scale_t: float, needs: list[bool], soft_weight: float = 1.0,
+                       hard_weight: float = 0.0, mask_divergence: bool = True) -> Out6:
+    g = grad_rows.to(compute_dtype(hs.dtype))
+    ce = hard_weight != 0.0
+    _, _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
+                          g * soft_weight, needs, ce=ce, ce_grad=g * hard_weight if ce else None,
+                          mask_divergence=mask_divergence)
     return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
 
 
 @linear_distill_bwd.register_fake
-def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, needs):
+def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, needs, soft_weight=1.0,
+      hard_weight=0.0, mask_divergence=True):
     return tuple(t.new_empty(t.shape) if (need and t is not None) else (t if t is not None else hs).new_empty(0)
                  for t, need in zip((hs, ws, bs, ht, wt, bt), needs))
 
 
 def _setup_context(ctx, inputs, output):
-    hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs = inputs
+    hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, *weights = inputs
     ctx.options = (ignore_index, kind, beta, scale_s, scale_t, list(needs))
+    ctx.weights = (*weights, *(1.0, 0.0, True)[len(weights):])  # (soft_weight, hard_weight, mask_divergence)
+    ctx.n_inputs = len(inputs)
     ctx.reduction = reduction
     if reduction == "none":
         ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target)
@@ -246,11 +307,11 @@ def _backward(ctx, grad_loss, *_grads):
     if ctx.reduction == "none":
         hs, ws, bs, ht, wt, bt, target = saved
         grads = linear_distill_bwd(grad_loss, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
-                                   scale_s, scale_t, needs)
+                                   scale_s, scale_t, needs, *ctx.weights)
     else:
         grads = [g * grad_loss.to(g.dtype) if g.numel() else g for g in saved]
     out = [g if (need and g.numel()) else None for g, need in zip(grads, needs)]
-    return (*out, None, None, None, None, None, None, None, None)
+    return (*out, *(None,) * (ctx.n_inputs - 6))
 
 
 linear_distill_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -270,9 +331,15 @@ def linear_distillation_loss(
     temperature: float = 1.0,
     ignore_index: int = -100,
     reduction: str = "batchmean",
+    soft_weight: float = 1.0,
+    hard_weight: float = 0.0,
 ) -> Tensor:
     """The divergence between a student and a teacher lm_head (module docstring), without the
-    ``[N, V]`` logits of either. Equal, up to rounding, to::
+    ``[N, V]`` logits of either, times ``soft_weight``; with ``hard_weight`` plus that times the
+    student's hard-label cross-entropy ``F.cross_entropy(student_logits, target,
+    ignore_index=ignore_index)`` (its raw logits, no temperature; the mean over the labelled rows,
+    per row for ``reduction="none"``), computed in the same pass over the student's logits (Hinton's
+    ``α·CE + (1 − α)·T²·KD``: ``hard_weight=α, soft_weight=(1 − α)·T**2``). Equal, up to rounding, to::
 
         s = F.linear(student_hidden, student_weight, student_bias).float() / temperature
         t = F.linear(teacher_hidden, teacher_weight, teacher_bias).float() / temperature
@@ -286,6 +353,11 @@ def linear_distillation_loss(
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    for name, x in (("soft_weight", soft_weight), ("hard_weight", hard_weight)):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+            raise ValueError(f"{name} must be a finite number, got {x!r}")
+    if hard_weight != 0 and target is None:
+        raise ValueError("hard_weight needs the target (the hard labels)")
     if kind == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd needs 0 < beta < 1 (beta 0 is forward_kl, 1 reverse_kl), got {beta}")
     if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
@@ -304,5 +376,6 @@ def linear_distillation_loss(
     needs = [bool(x is not None and x.requires_grad and torch.is_grad_enabled())
              for x in (hs, student_weight, student_bias, ht, teacher_weight, teacher_bias)]
     out = linear_distill_fwd(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, t1, ignore_index,
-                             kind, float(beta), 1.0 / temperature, 1.0 / temperature, reduction, needs)[0]
+                             kind, float(beta), 1.0 / temperature, 1.0 / temperature, reduction, needs,
+                             float(soft_weight), float(hard_weight))[0]
     return out.reshape(lead) if reduction == "none" else out

@@ -82,6 +82,42 @@ def test_op_matches_float64_with_student_and_teacher_gradients(kind, reduction):
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {reduction} grad {k}")
 
 
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd"])
+def test_op_mixes_the_hard_label_cross_entropy(kind, reduction):
+    """soft_weight · divergence + hard_weight · the student's cross-entropy (its raw logits, the mean
+    over labelled rows; per row for "none") in one pass: loss and student gradients against the two
+    computed apart in float64, within torch's own error."""
+    ins = _inputs(seed=3)
+    temp, alpha = 2.0, 0.3
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, kind=kind, beta=0.4, temperature=temp,
+                                        reduction=reduction, soft_weight=(1 - alpha) * temp**2, hard_weight=alpha)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        kd = _reference(hs, ws, ht, wt, y, kind, 0.4, temp, reduction, bs=bs)
+        z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
+        ce = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
+        return (1 - alpha) * temp**2 * kd + alpha * ce.reshape(kd.shape)
+
+    out, grads = _run(ours, ins, teacher_grad=False)
+    same, same_g = _run(theirs, ins, teacher_grad=False)
+    exact, exact_g = _run(theirs, ins, torch.float64, teacher_grad=False)
+    assert_within_torch_error(out, same, exact, what=f"{kind} {reduction} mixed loss")
+    assert set(grads) == {"hs", "ws", "bs"}
+    for k in grads:
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {reduction} mixed grad {k}")
+
+
+def test_op_hard_weight_needs_the_target():
+    ins = _inputs()
+    with pytest.raises(ValueError, match="hard_weight needs the target"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], hard_weight=0.5)
+    with pytest.raises(ValueError, match="soft_weight must be a finite number"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], ins["y"], soft_weight=float("nan"))
+
+
 def test_op_in_bfloat16_within_torch_error():
     ins = _inputs()
     f = dict(kind="forward_kl", temperature=2.0, reduction="mean")
@@ -147,8 +183,29 @@ def _both_trained(hs, ws, ht, wt, **_):
     return F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.softmax(F.linear(ht, wt), -1), reduction="sum")
 
 
+def _hinton_with_labels(hs, ws, ht, wt, y, **_):
+    """Hinton's α·CE + (1 − α)·T²·KD over the same student logits (the CE on its raw logits, ignored
+    labels skipped; the KD over every row): one op."""
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    temp, alpha = 2.0, 0.3
+    kd = F.kl_div(F.log_softmax(s / temp, dim=-1), F.softmax(t / temp, dim=-1), reduction="batchmean")
+    ce = F.cross_entropy(s.view(-1, s.size(-1)), y.view(-1), ignore_index=-100)
+    return alpha * ce + (1 - alpha) * kd * temp**2
+
+
+def _labels_first_sum(hs, ws, bs, ht, wt, y, **_):
+    """The CE first, a biased student, the KD as a sum over 2-D logits divided by the row count."""
+    s = F.linear(hs, ws, bs).view(-1, V)
+    t = F.linear(ht, wt).detach().view(-1, V)
+    return F.cross_entropy(s, y.view(-1)) + F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True,
+                                                      reduction="sum") / (B * T)
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
-         "both_trained": _both_trained}
+         "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
+         "labels_first_sum": _labels_first_sum}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -192,7 +249,18 @@ def test_declines_say_why():
         kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
         return kd + 1e-3 * s.pow(2).mean()
 
-    for fn, words in ((softcapped, "softcapped"), (other_user, "other users")):
+    def smoothed_labels(hs, ws, ht, wt, y, **_):
+        s = F.linear(hs, ws)
+        kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+        return kd + F.cross_entropy(s.view(-1, V), y.view(-1), label_smoothing=0.1)
+
+    def scaled_labels(hs, ws, ht, wt, y, **_):
+        s = F.linear(hs, ws)
+        kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+        return kd + F.cross_entropy((s / 2.0).view(-1, V), y.view(-1))
+
+    for fn, words in ((softcapped, "softcapped"), (other_user, "other users"),
+                      (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw")):
         report = inductor_xent.explain(fn, **ins)
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
 

@@ -12,6 +12,11 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
 * ``(p * (log_p - log_q)).sum(-1)`` with ``p`` the softmax (or ``exp``) of ``log_p``: KL(p ‖ q) per
   row, the reverse KL of TRL's and verl's RL code when the student is ``p``.
 
+The student's hard-label cross-entropy added to the divergence (``α * F.cross_entropy(s.view(-1, V),
+y.view(-1)) + (1 - α) * kd * T**2``, either order, each side scaled by Python numbers; the
+cross-entropy over the student's raw logits, the mean over the labelled rows) joins the same op call
+(``hard_weight``): one pass over the student's logits computes both.
+
 Whichever head is the student, the op computes ``KL(p ‖ q)`` of the two heads' logits with each
 head's temperature folded into its scale (``LogitsChain.logit_scale``); a head computed without
 gradient (``torch.no_grad()``, ``.detach()``: the teacher) gets its inputs detached, a head with
@@ -29,15 +34,17 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from .. import ops
-from . import _logits, _mutation, _report
+from . import _logits, _mutation, _report, _steps, lm_head_cross_entropy
 from ._fx import Emitter, arg, is_call, norm_dim, same, tval
-from ._site import Decline, log_probs_of, probs_of
+from ._site import Decline, Head, log_probs_of, probs_of
 
 PATTERN = "distillation"
 KL_DIV = (F.kl_div,)
 SUM = (torch.sum, "sum")
 SUB = (operator.sub, torch.sub, "sub")
 MUL = (operator.mul, torch.mul, "mul")
+DIV = (operator.truediv, torch.div, "div")
+ADD = (operator.add, torch.add, "add")
 
 
 def run(gm: GraphModule, log) -> list:
@@ -125,8 +132,65 @@ def _match_kl_none(kl: Node) -> Optional[dict]:
     return dict(q=q, p=p, nodes=(kl, *lq.nodes, *lp.nodes))
 
 
+def _by_number(node: Node) -> Optional[tuple[Node, float]]:
+    """(the tensor, its factor) for ``x * c``, ``c * x`` or ``x / c`` with ``c`` a Python number."""
+    if not (is_call(node, MUL) or is_call(node, DIV)) or len(node.args) != 2 or node.kwargs:
+        return None
+    a, b = node.args
+    if is_call(node, DIV):
+        return (a, 1.0 / b) if isinstance(b, (int, float)) and not isinstance(b, bool) and b != 0 else None
+    for x, c in ((a, b), (b, a)):
+        if isinstance(x, Node) and isinstance(c, (int, float)) and not isinstance(c, bool):
+            return x, float(c)
+    return None
+
+
+def _hard_label_mix(f: dict) -> Union[dict, str, None]:
+    """The student's hard-label cross-entropy added to the divergence, ``a · F.cross_entropy(s, y) +
+    b · kd`` (either order, each side scaled by Python numbers, ``kd`` the site's reduced value, e.g.
+    times ``T**2``), ``s`` the student's raw logits: {"add", "target", "ignore_index", "soft",
+    "hard", "nodes"} for one op computing both, a reason it cannot, or None (no such sum)."""
+    q, node, nodes, factor = f["q"], f["out"], [], 1.0
+    while len(node.users) == 1 and _by_number(next(iter(node.users))) is not None:
+        node = next(iter(node.users))
+        factor *= _by_number(node)[1]
+        nodes.append(node)
+    add = next(iter(node.users)) if len(node.users) == 1 else None
+    if add is None or not is_call(add, ADD) or len(add.args) != 2 or add.kwargs:
+        return None
+    other, hard = add.args[1] if add.args[0] is node else add.args[0], 1.0
+    while isinstance(other, Node) and len(other.users) == 1 and _by_number(other) is not None:
+        nodes.append(other)
+        other, c = _by_number(other)
+        hard *= c
+    if not is_call(other, lm_head_cross_entropy.TARGETS) or len(other.users) != 1:
+        return None
+    head = lm_head_cross_entropy.match(other)
+    c = _logits.trace(head.logits) if isinstance(head, Head) else None
+    if not isinstance(c, _logits.LogitsChain) or c.matmul is not q.matmul:
+        return None
+    if head.reduction != "mean" or head.label_smoothing:
+        return ("a hard-label cross-entropy with another reduction than the mean, or label smoothing, added to the "
+                "divergence")
+    if f["reduce"] == "none":
+        return "a hard-label cross-entropy added to a per-row divergence"
+    if c.logit_scale != 1.0 or c.softcap is not None or c.bias_shift or c.shift or c.weight_scale is not None \
+            or c.row_scaled or c.bias is not q.bias:
+        return "the hard-label cross-entropy reads other logits than the student's raw ones (scaled, capped, biased)"
+    reorders = any(isinstance(op, (_steps.Slice, _steps.Permute)) for ch in (q, c) for _, op in ch.shape_ops)
+    if reorders or not same(tval(c.nodes[-1]).numel(), tval(q.nodes[-1]).numel()):
+        return "the hard-label cross-entropy reads other rows of the student's logits than the divergence"
+    inp = tval(f["inp"])
+    divisor = {"batchmean": inp.shape[0], "mean": inp.numel(), "sum": 1}[f["reduce"]]
+    if not isinstance(divisor, int):
+        return "a divergence mixed with a cross-entropy under dynamic shapes (the batchmean divisor is symbolic)"
+    return dict(add=add, target=head.target, ignore_index=int(head.ignore_index), soft=factor / divisor, hard=hard,
+                nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
+
+
 def _check(f: dict) -> Optional[str]:
-    """Why the two heads cannot become the op, or None."""
+    """Why the two heads cannot become the op, or None (``f["mix"]`` set where a hard-label
+    cross-entropy of the student joins it)."""
     for role, c in (("fitted", f["q"]), ("target", f["p"])):
         if isinstance(c, Decline):
             return c.reason
@@ -147,16 +211,27 @@ def _check(f: dict) -> Optional[str]:
     devices = {tval(n).device for n in (q.hidden, q.weight, p.hidden, p.weight)}
     if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
         return f"unsupported device(s) {sorted(map(str, devices))}"
+    mine = set(f["nodes"]) | set(q.nodes) | set(p.nodes)
+    others = sorted({u.name for n in mine if n is not f["out"] for u in n.users if u not in mine})
+    last, mix = f["out"], None
+    if others:  # the student's hard-label cross-entropy added to the divergence: one op for both
+        mix = _hard_label_mix(f)
+        if mix is not None and not isinstance(mix, str):
+            last = mix["add"]
+            mine |= set(mix["nodes"])
+            others = sorted({u.name for n in mine if n is not last for u in n.users if u not in mine})
     # the op reads both heads' inputs at the loss: no write between the first matmul and the loss
     order = {n: i for i, n in enumerate(f["out"].graph.nodes)}
-    lo, hi = min(order[q.matmul], order[p.matmul]), order[f["out"]]
+    lo, hi = min(order[q.matmul], order[p.matmul]), order[last]
     written = next((n for n in f["out"].graph.nodes if lo < order[n] < hi and _mutation.writes(n)), None)
     if written is not None:
         return f"{_mutation.spelling(written)} writes a tensor between the lm_head matmuls and the loss"
-    mine = set(f["nodes"]) | set(q.nodes) | set(p.nodes)
-    others = sorted({u.name for n in mine if n is not f["out"] for u in n.users if u not in mine})
+    if isinstance(mix, str):
+        return mix
     if others:
         return f"the logits have other users ({', '.join(others)})"
+    if mix is not None:
+        f["mix"] = mix
     return None
 
 
@@ -185,16 +260,25 @@ def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
 
 def _rewrite(gm: GraphModule, node: Node, f: dict):
     q, p, graph = f["q"], f["p"], gm.graph
-    e = Emitter(graph, node, node)  # at the loss: both heads' inputs exist there
+    # at the loss (or at the sum with the cross-entropy): both heads' inputs and the targets exist there
+    e = Emitter(graph, f["mix"]["add"] if "mix" in f else node, node)
     hs, ws, bs = _operands(e, q)
     ht, wt, bt = _operands(e, p)
     needs = [bool(t is not None and tval(t).requires_grad) for t in (hs, ws, bs, ht, wt, bt)]
-    reduce = f["reduce"]
+    reduce, mix = f["reduce"], f.get("mix")
     op_reduction = "none" if reduce == "none" else "sum"
-    out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, None, -100,
-                 "forward_kl", 0.5, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
+    if mix is not None:  # soft · Σ KL / divisor + hard · the mean cross-entropy, every row's KL counted
+        target = mix["target"] if tval(mix["target"]).dim() == 1 else e.method("reshape", mix["target"], -1)
+        out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], "forward_kl", 0.5,
+                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False)
+        node = mix["add"]
+    else:
+        out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, None, -100,
+                     "forward_kl", 0.5, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
     value = e.getitem(out, 0)
-    if reduce == "none":
+    if mix is not None:
+        pass
+    elif reduce == "none":
         value = e.method("view", value, e.getitem(e.method("size", q.nodes[-1]), slice(None, -1)))
     elif reduce == "batchmean":
         value = e.call(operator.truediv, value, e.method("size", f["inp"], 0))
@@ -203,7 +287,7 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
     if tval(value).dtype != tval(node).dtype:
         value = e.method("to", value, tval(node).dtype)
     node.replace_all_uses_with(value)
-    avoided, dead = 0, {*f["nodes"], *q.nodes, *p.nodes}
+    avoided, dead = 0, {*f["nodes"], *q.nodes, *p.nodes, *(mix["nodes"] if mix else ())}
     for n in reversed(list(graph.nodes)):
         if n in dead and not n.users:
             t = tval(n)
@@ -212,6 +296,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
             graph.erase_node(n)
     return _report.SiteReport(PATTERN, True, f"fused: KL(p || q) of two lm_heads in one op, reduction={reduce}, "
                               f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
+                              + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
+                                 f"{mix['soft']:g} · Σ KL)" if mix else "")
                               + (", the target head without gradient" if not any(needs[3:]) else ""),
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
                               strategy="store" if reduce != "none" else "recompute",
