@@ -12,11 +12,13 @@ is folded in as for the log-prob op, ``options.fold_temperature``) and ``z = hid
   ``masked_fill(u < kth, −inf).log_softmax(-1).gather(...)`` gives, gradients included).
 
 The op runs over row chunks sized from a memory budget: each chunk's logits come from one GEMM
-(cuBLAS on CUDA: the same logits as eager's matmul) and ``torch.topk`` over them, so the indices are
-those ``torch.topk`` picks on that device; where ``scale`` is 1 and there is no softcap the raw
-logits' top-k is taken in their own dtype, exactly eager's ``torch.topk(z, k)``. Ties that rounding
-to the logits' dtype creates (eager's ``log_softmax`` of bf16 logits rounds the log-probs to bf16
-too) may be broken differently from eager's, as torch.topk documents no order among ties.
+(cuBLAS on CUDA: the same logits as eager's matmul) and ``torch.topk`` over them in their own dtype
+(the scale, softcap and log-softmax are increasing, so the raw logits' top-k columns are those of
+any of them: exactly eager's ``torch.topk(z, k)`` for the raw logits); the values are then scaled,
+capped and normalised in the compute dtype, and a log-probs top-k takes each row's logsumexp in one
+more pass over the chunk (compiled by Inductor on CUDA). Ties that rounding creates (eager's
+``log_softmax`` of bf16 logits rounds the log-probs to bf16 too) may be broken differently from
+eager's, as torch.topk documents no order among ties.
 
 ``inductor_xent::linear_topk(hidden, weight, bias, k, logit_scale, softcap, log_probs) -> (values,
 indices, lse)``: values (N, k) in the compute dtype (fp32 for 16-bit inputs), indices (N, k) int64,
@@ -37,8 +39,8 @@ from torch import Tensor
 from . import config, options, strategy
 from .options import compute_dtype
 
-# a chunk's bytes per logit: the logits in the input dtype and two compute-dtype copies (u, and
-# torch.topk's or the backward's scratch)
+# a chunk's bytes per logit: the logits in the input dtype and two compute-dtype copies (the
+# backward's u and dz; the forward keeps the logits and torch.topk's scratch)
 BYTES_PER_LOGIT = 2 + 4 + 4
 # a chunk's working set on a GPU: GEMMs of a few thousand rows run near cuBLAS's peak
 CUDA_CHUNK_BYTES = 2 * 2**30
@@ -68,26 +70,43 @@ def _scaled(z: Tensor, logit_scale: float, softcap: Optional[float]) -> tuple[Te
     return torch.tanh(x) * softcap, x
 
 
+def _lse_of(z: Tensor, logit_scale: float, softcap: Optional[float]) -> Tensor:
+    """logsumexp over each row of the scaled (and capped) logits, from the logits in their dtype."""
+    return torch.logsumexp(_scaled(z, logit_scale, softcap)[0], dim=-1)
+
+
+_fused_lse = None
+
+
+def _lse_for(device: torch.device):
+    """``_lse_of``: on CUDA compiled once by Inductor into one reduction over the 16-bit logits (no
+    fp32 copy of the chunk); eager elsewhere."""
+    global _fused_lse
+    if device.type != "cuda":
+        return _lse_of
+    if _fused_lse is None:
+        _fused_lse = torch.compile(_lse_of, fullgraph=True)
+    return _fused_lse
+
+
 def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional[float], log_probs: bool):
     n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden.dtype)
     values = hidden.new_empty((n, k), dtype=cd)
     indices = hidden.new_empty((n, k), dtype=torch.long)
     lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
-    raw = logit_scale == 1.0 and softcap is None
     step = chunk_rows(n, v, hidden.device)
+    lse_fn = _lse_for(hidden.device)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         z = F.linear(hidden[sl], weight, bias)
-        if raw and not log_probs:  # eager's torch.topk(z, k) itself, in the logits' dtype
-            top = torch.topk(z, k, dim=-1)
-            values[sl], indices[sl] = top.values, top.indices
-            continue
-        u = z.to(cd) if raw else _scaled(z, logit_scale, softcap)[0]
-        del z
-        torch.topk(u, k, dim=-1, out=(values[sl], indices[sl]))
+        # the scale (positive), softcap and log-softmax are increasing in z, and the compute dtype holds
+        # every value of z apart: torch.topk of the raw logits picks the columns of eager's top-k of any
+        # of them, in z's own dtype (half the bytes of an fp32 copy) and the same order among ties
+        top = torch.topk(z, k, dim=-1)
+        values[sl], indices[sl] = _scaled(top.values, logit_scale, softcap)[0], top.indices
         if log_probs:
-            lse[sl] = torch.logsumexp(u, dim=-1)
+            lse[sl] = lse_fn(z, logit_scale, softcap)
             values[sl] -= lse[sl, None]
     return values, indices, lse
 
