@@ -15,7 +15,7 @@ from inductor_xent import topk
 
 from .helpers import assert_within_torch_error, fallback_chunks
 
-N, D, V = 45, 24, 211
+N, D, V = 45, 24, 1031  # V over the pass's MIN_VOCAB (fewer columns: a router's top-k)
 CUDA = torch.cuda.is_available()
 
 
@@ -327,3 +327,17 @@ def test_topk_declines_with_reason(fn, words):
     h, w, _, y = _inputs(seed=22)
     (site,) = inductor_xent.explain(fn, h, w, y).sites
     assert not site.fused and words in site.reason, site
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_router_topk_is_no_candidate():
+    """A mixture-of-experts router's top-k (softmax over 8 experts, Mixtral's spelling) is left alone
+    and not reported: fewer columns than patterns.topk.MIN_VOCAB are no vocabulary."""
+    h, _, _, _ = _inputs(seed=23)
+    gate = torch.randn(8, D)
+
+    def route(x, g):
+        weights, experts = torch.topk(F.softmax(F.linear(x, g), dim=-1, dtype=torch.float), 2, dim=-1)
+        return weights.sum(), experts
+
+    assert inductor_xent.explain(route, h, gate).sites == []

@@ -196,8 +196,10 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
     ([], why not). Every other user of the logits must lead only to the graph's output, through
     casts, views, Python-number scales and a softcap's tanh from the raw logits (matmul + bias),
     rows in the matmul's order."""
-    if any(h.kind in ("entropy", "argmax", "topk") for h, _ in heads):
-        return [], "the log-probs and top-k ops (entropy, argmax, top-k) do not write the logits"
+    if any(h.kind in ("entropy", "argmax") for h, _ in heads):
+        return [], "the log-probs op (entropy, argmax) does not write the logits"
+    if any(h.kind == "topk" for h, _ in heads):
+        return [], "the top-k op does not write the logits"
     if _dtensor.involved(chain):
         return [], "the vocabulary-parallel op does not write the logits"
     if chain.weight_scale is not None:

@@ -7,7 +7,8 @@ logits and ``torch.topk`` over them, never the ``[N, V]`` logits) gives the valu
 softmax's values are the exponentials of the log-probs'. Its users must read the result's two items
 (``values, indices = torch.topk(...)``, ``.values``, ``[0]``); ``sorted=False`` is served sorted
 (any order is allowed). Declined, with the reason: the smallest k (``largest=False``), a k that is not
-a Python int when compiling, the result read whole.
+a Python int when compiling, the result read whole. A top-k over fewer than ``MIN_VOCAB`` columns (a
+mixture-of-experts router's) is no candidate.
 """
 
 from __future__ import annotations
@@ -17,13 +18,17 @@ import operator
 import torch
 from torch.fx import Node
 
-from ._fx import arg, is_call, norm_dim, tval
+from ._fx import arg, hint, is_call, norm_dim, tval
 from ._logits import is_matmul
 from ._site import Decline, Head, log_probs_of, probs_of
 from ._steps import MATCHERS
 
 PATTERN = "topk"
 TARGETS = (torch.topk, "topk")
+# fewer columns than this are no vocabulary: a mixture-of-experts router's top-k over its experts
+# (Mixtral's 8, DeepSeek-V3's 256, Qwen3-Next's 512: softmax(gate(h)).topk(k)) or a classifier's,
+# left alone (not a candidate: nothing to report)
+MIN_VOCAB = 1024
 
 
 def match(node: Node):
@@ -31,6 +36,8 @@ def match(node: Node):
     largest, t = arg(node, 3, "largest", True), tval(src)
     if t is None or t.dim() < 2 or not isinstance(dim, int) or norm_dim(dim, t.dim()) != t.dim() - 1:
         return None  # over another dimension: no per-row top-k of the vocabulary
+    if (hint(t.shape[-1]) or 0) < MIN_VOCAB:
+        return None  # a router's experts, not a vocabulary
     of, logits, consumed, lse = "logits", src, (), ()
     lp, p = log_probs_of(src), probs_of(src)
     if lp is not None and lp.dim == t.dim() - 1:
