@@ -285,21 +285,27 @@ def kept(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
     else:
         k = _check_k(top_k, v, "top_k")
     values, indices, _ = TOPK(hidden2d, weight, bias, k, logit_scale, softcap, False)
-    kept_cols = None
     if isinstance(top_k, Tensor):
         kept_cols = torch.arange(k, device=values.device)[None, :] < top_k.to(values.device)[:, None]
         values = values.masked_fill(~kept_cols, float("-inf"))
-    valid = target != ignore_index
-    hit = indices == torch.where(valid, target, -1)[:, None]
-    if kept_cols is not None:
-        hit &= kept_cols
-    # u_t where the target is kept (−inf where not): its gradient flows to that column alone
-    picked = torch.where(hit.any(-1), values.masked_fill(~hit, 0.0).sum(-1), float("-inf"))
-    logp = values - torch.logsumexp(values, dim=-1, keepdim=True)
-    rows = picked - torch.logsumexp(values, dim=-1)
-    zero = torch.zeros((), dtype=rows.dtype, device=rows.device)
+    rows = kept_from_top(values, indices, target, ignore_index)
     entropy = None
     if need_entropy:  # −Σ p log p over the kept columns (p = 0 outside them)
+        logp = values - torch.logsumexp(values, dim=-1, keepdim=True)
         p = logp.exp()
-        entropy = torch.where(valid, -(p * logp.masked_fill(p == 0, 0.0)).sum(-1), zero)
-    return torch.where(valid, rows, zero), entropy, indices[:, 0] if need_argmax else None
+        entropy = torch.where(target != ignore_index, -(p * logp.masked_fill(p == 0, 0.0)).sum(-1), 0.0)
+    return rows, entropy, indices[:, 0] if need_argmax else None
+
+
+def kept_from_top(values: Tensor, indices: Tensor, target: Tensor, ignore_index: int) -> Tensor:
+    """Per row, the log-probability of ``target`` under the distribution over the columns ``indices``
+    with logits ``values`` (−inf values: not kept), renormalised: ``u_t − logsumexp(values)`` where
+    the target is among them, −inf where it is not, 0 where ``target == ignore_index``. Gradients as
+    eager's masked log-softmax: the target's column where it is kept, the logsumexp's to every kept
+    column. (The pass emits it after the top-k op for the kept-set spelling, patterns/topk.py.)"""
+    valid = target != ignore_index
+    hit = (indices == torch.where(valid, target, -1)[:, None]) & (values > float("-inf"))
+    # u_t where the target is kept (−inf where not): its gradient flows to that column alone
+    picked = torch.where(hit.any(-1), values.masked_fill(~hit, 0.0).sum(-1), float("-inf"))
+    rows = picked - torch.logsumexp(values, dim=-1)
+    return torch.where(valid, rows, 0.0)

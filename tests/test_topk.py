@@ -266,7 +266,26 @@ def _softmax_topk_values(x, W, y):
     return (top.values * 2).sum(), top.indices
 
 
+def _kept_masked_fill(x, W, y):
+    """Top-k sampling replayed as trainers write it: the logits below the k-th set to −inf, then the
+    log-softmax at the sampled ids (−inf where an id is outside the kept set)."""
+    u = F.linear(x, W).float() / 0.7
+    kth = torch.topk(u, 400).values[..., -1:]
+    lp = u.masked_fill(u < kth, float("-inf")).log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+    return torch.where(torch.isfinite(lp), lp, 0.0).sum(), lp.detach()
+
+
+def _kept_where(x, W, y):
+    """The same with torch.where, ``[0][..., -1, None]`` and the functional forms."""
+    u = F.linear(x, W)
+    kth = torch.topk(u, 300, dim=-1)[0][..., -1, None]
+    lp = torch.gather(F.log_softmax(torch.where(u < kth, float("-inf"), u), dim=-1), -1, y.unsqueeze(-1))
+    return (torch.where(torch.isfinite(lp), lp, 0.0) * 0.5).sum(), lp.detach()
+
+
 SPELLINGS = {"log_probs": (_topk_log_probs, "top-k op (k=6, of the log-probs)"),
+             "kept_masked_fill": (_kept_masked_fill, "top-k op (k=400) for the log-probs over the kept set"),
+             "kept_where": (_kept_where, "top-k op (k=300) for the log-probs over the kept set"),
              "with_loss": (_loss_and_topk_accuracy, "top-k op (k=3, of the logits)"),
              "softmax": (_softmax_topk_values, "top-k op (k=4, of the probs)")}
 

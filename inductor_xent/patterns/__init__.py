@@ -212,7 +212,8 @@ def _other_heads(found: Head, chain: _logits.LogitsChain, candidates: dict) -> l
     """(Head, LogitsChain) of the other heads over the same lm_head matmul: candidates among the users
     of its logits (and of what ``found`` derives from them), HEAD_DEPTH levels deep, that an idiom
     matches and whose logits walk back to that matmul (the plan checks they are the same logits)."""
-    heads, seen, frontier = [], {found.loss}, [*chain.nodes, *found.consumed]
+    # (the found head's own nodes are no other head: a kept-set head consumes the top-k it starts from)
+    heads, seen, frontier = [], {found.loss, *found.consumed}, [*chain.nodes, *found.consumed]
     for _ in range(HEAD_DEPTH):
         users = []
         for u in (u for n in frontier for u in n.users):

@@ -98,7 +98,7 @@ class SitePlan:
     def main_heads(self) -> list:
         """The heads the site's cross-entropy or log-probs op serves: all but the top-k heads (each
         its own top-k op)."""
-        return [(h, c) for h, c in self.heads if h.kind != "topk"]
+        return [(h, c) for h, c in self.heads if h.kind not in ("topk", "kept")]
 
     @property
     def log_probs_op(self) -> bool:
@@ -151,7 +151,7 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
             owned.update(dict.fromkeys([*between, *(t for t in arg(u, 0, "tensors") if isinstance(t, Node))]))
     escapes = list(dict.fromkeys(u for n in read for u in n.users
                                  if u not in owned and u not in lse_users and u not in theirs))
-    if lse_users and all(h.kind == "topk" for h, _ in heads):
+    if lse_users and all(h.kind in ("topk", "kept") for h, _ in heads):
         return Decline(None, site.loss, "a logsumexp of the logits next to top-k heads alone (the top-k op "
                                         "gives no lse to map it onto)")
     if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
@@ -198,7 +198,7 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
     rows in the matmul's order."""
     if any(h.kind in ("entropy", "argmax") for h, _ in heads):
         return [], "the log-probs op (entropy, argmax) does not write the logits"
-    if any(h.kind == "topk" for h, _ in heads):
+    if any(h.kind in ("topk", "kept") for h, _ in heads):
         return [], "the top-k op does not write the logits"
     if _dtensor.involved(chain):
         return [], "the vocabulary-parallel op does not write the logits"
@@ -321,7 +321,7 @@ def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
         return "label smoothing in a cross-entropy next to another head of the same logits"
     if any(h.kind in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
         return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
-    if any(h.kind == "topk" for h, _ in heads) and _dtensor.involved(chain):
+    if any(h.kind in ("topk", "kept") for h, _ in heads) and _dtensor.involved(chain):
         return "vocabulary parallel: a top-k head (the top-k op has no DTensor rule)"
     if any(h.kind == "topk" and h.needs_lse_of for h, _ in heads) and all(h.kind == "topk" for h, _ in heads):
         return "a top-k of z − logsumexp(z) with no other head (spell it log_softmax(z, -1))"

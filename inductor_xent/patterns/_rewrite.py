@@ -57,6 +57,11 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     for h, c in plan.heads:  # top-k heads: one top-k op each (topk.py)
         if h.kind == "topk":
             _topk(e, h, c, (hidden2d, weight, bias), scale, cap, (hidden, all_ops, d))
+        elif h.kind == "kept":
+            out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, scale, cap, False)
+            t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
+            rows = e.call(topk.kept_from_top, e.getitem(out, 0), e.getitem(out, 1), t1d, int(h.ignore_index))
+            _place(e, h.loss, _shaped(e, h, c, rows, hidden, all_ops, d), h.negate, chain, folded)
     if not plan.main_heads:
         return _erase_dead(gm, plan, erased, folded)
     write = (True,) if plan.returned else ()  # the op writes the logits the graph returns (escape.py)
@@ -101,14 +106,8 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
                 value = e.call(operator.truediv, e.method("sum", value), count)
             else:
                 value = e.method("sum", value)
-        elif h.shape_ref is not None:
-            value = e.method("view_as", value, h.shape_ref)
-            if h.drop_last:
-                value = e.method("squeeze", value, -1)
         else:
-            value = _rows_like(e, value, c, len(c.nodes) - 1, h.keepdim, hidden, all_ops, d)
-        if c.detached:  # the head read logits.detach()
-            value = e.method("detach", value)
+            value = _shaped(e, h, c, value, hidden, all_ops, d)
         _place(e, h.loss, value, (sign < 0) != h.negate, chain, folded)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
@@ -174,6 +173,19 @@ def _rows_like(e: Emitter, value: Node, c: _logits.LogitsChain, position: int, k
         return value  # one per row, in row order: exactly the op's
     value = e.method("view", value, _lead(e, c, position, hidden, all_ops, d))
     return e.method("unsqueeze", value, -1) if keepdim else value
+
+
+def _shaped(e: Emitter, h, c: _logits.LogitsChain, value: Node, hidden: Node, all_ops: list, d) -> Node:
+    """A per-row head value (one per row of the op) shaped as the head's node: as its ``shape_ref``
+    (then less the trailing 1 when ``drop_last``), else as the rows of its logits; detached for a
+    head that read ``logits.detach()``."""
+    if h.shape_ref is not None:
+        value = e.method("view_as", value, h.shape_ref)
+        if h.drop_last:
+            value = e.method("squeeze", value, -1)
+    else:
+        value = _rows_like(e, value, c, len(c.nodes) - 1, h.keepdim, hidden, all_ops, d)
+    return e.method("detach", value) if c.detached else value
 
 
 def _lead(e: Emitter, c: _logits.LogitsChain, position: int, hidden: Node, all_ops: list, d) -> Node:

@@ -20,7 +20,7 @@ NO_IGNORE = -(2**31)
 
 
 # what a head computes per row of the logits, in the order explain names a site's heads
-HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "topk", "distillation"]
+HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "topk", "kept", "distillation"]
 HEAD_KINDS: tuple[HeadKind, ...] = get_args(HeadKind)
 
 
@@ -33,7 +33,8 @@ class Head:
     ``reduction`` (``mean``: ``rows.sum() / (target != ignore_index).sum()``); ``log_probs``
     ``z[target] − lse``; ``entropy`` ``−Σ p·log p``; ``argmax`` the first maximal column; ``topk``
     (``loss`` the ``torch.topk`` node, ``aux`` its item reads) the ``k`` largest ``normalised``
-    values and their columns (the top-k op, next to the site's other op if any). Per-row
+    values and their columns (the top-k op, next to the site's other op if any); ``kept`` the
+    log-prob of the target over the row's top-k kept set (``loss`` the gather, as ``log_probs``). Per-row
     values are viewed as ``shape_ref`` (then ``squeeze(-1)`` when ``drop_last``), or without one as
     the rows of ``logits`` (with a trailing 1 when ``keepdim``).
     """

@@ -9,11 +9,17 @@ softmax's values are the exponentials of the log-probs'. Its users must read the
 (any order is allowed). Declined, with the reason: the smallest k (``largest=False``), a k that is not
 a Python int when compiling, the result read whole. A top-k over fewer than ``MIN_VOCAB`` columns (a
 mixture-of-experts router's) is no candidate.
+
+The kept-set log-probs of top-k sampling replayed (``u.masked_fill(u < torch.topk(u, k).values[...,
+-1:], -inf).log_softmax(-1).gather(-1, y[..., None])``, issue 25 item 3) are a ``kept`` head: the
+top-k op and ``topk.kept_from_top`` on its values (eager keeps every column tied with the k-th, the
+op the k that torch.topk returns).
 """
 
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 
 import torch
 from torch.fx import Node
@@ -25,6 +31,9 @@ from ._steps import MATCHERS
 
 PATTERN = "topk"
 TARGETS = (torch.topk, "topk")
+LT = (operator.lt, torch.lt, "lt")
+GT = (operator.gt, torch.gt, "gt")
+MASKED_FILL = (torch.masked_fill, "masked_fill")
 # fewer columns than this are no vocabulary: a mixture-of-experts router's top-k over its experts
 # (Mixtral's 8, DeepSeek-V3's 256, Qwen3-Next's 512: softmax(gate(h)).topk(k)) or a classifier's,
 # left alone (not a candidate: nothing to report)
@@ -56,5 +65,69 @@ def match(node: Node):
     if not all(is_call(u, (operator.getitem,)) and arg(u, 1, "index") in (0, 1) for u in items):
         return Decline(PATTERN, node, "the top-k result is read whole (read its values and indices)", logits=logits,
                        kind="topk")
+    if of == "logits":
+        kept = _kept_set(node, src, items, k)
+        if kept is not None:
+            return kept
     return Head(PATTERN, node, logits, None, consumed, aux=tuple(items), kind="topk", needs_lse_of=lse, k=k,
                 normalised=of)
+
+
+def _only_user(node: Node):
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _kth(values: Node):
+    """(the k-th value kept with a trailing 1, the nodes from ``values``) for ``values[..., -1:]``,
+    ``values[..., -1, None]``, ``values[:, -1:]`` (the leading dims as full slices) or
+    ``values[..., -1].unsqueeze(-1)``."""
+    n = _only_user(values)
+    if n is None or not is_call(n, (operator.getitem,)):
+        return None
+    idx = arg(n, 1, "index")
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    lead = tval(values).dim() - 1
+    if idx[:1] == (Ellipsis,):
+        rest = idx[1:]
+    elif len(idx) > lead and all(x == slice(None) for x in idx[:lead]):
+        rest = idx[lead:]
+    else:
+        return None
+    if rest in ((slice(-1, None, None),), (-1, None)):
+        return n, (n,)
+    if rest == (-1,):  # values[..., -1] then unsqueeze(-1)
+        u = _only_user(n)
+        if u is not None and is_call(u, ("unsqueeze", torch.unsqueeze)) and arg(u, 1, "dim") in (-1, lead):
+            return u, (n, u)
+    return None
+
+
+def _kept_set(node: Node, u: Node, items: list, k: int):
+    """The kept-set log-probs of top-k sampling replayed, as trainers spell it::
+
+        kth = torch.topk(u, k).values[..., -1:]
+        logp = u.masked_fill(u < kth, float("-inf")).log_softmax(-1).gather(-1, y[..., None])
+
+    (also ``kth > u``, ``torch.where(u < kth, -inf, u)``): a ``kept`` head (the top-k op and
+    ``topk.kept_from_top``), or None for any other use of the top-k."""
+    from . import log_softmax_nll
+
+    if len(items) != 1 or arg(items[0], 1, "index") != 0:
+        return None
+    found = _kth(items[0])
+    cond = _only_user(found[0]) if found else None
+    if cond is None or not ((is_call(cond, LT) and cond.args[:2] == (u, found[0]))
+                            or (is_call(cond, GT) and cond.args[:2] == (found[0], u))):
+        return None
+    masked = _only_user(cond)
+    inf = float("-inf")
+    if masked is None or not ((is_call(masked, MASKED_FILL) and masked.args[:3] == (u, cond, inf))
+                              or (is_call(masked, (torch.where,)) and masked.args[:3] == (cond, inf, u))):
+        return None
+    ls = _only_user(masked)
+    gather = _only_user(ls) if ls is not None else None
+    head = log_softmax_nll.match(gather) if gather is not None and is_call(gather, log_softmax_nll.TARGETS) else None
+    if not isinstance(head, Head) or head.kind != "log_probs" or head.logits is not masked:
+        return None
+    return replace(head, pattern=PATTERN, logits=u, kind="kept", k=k, normalised="logits",
+                   consumed=(node, *items, *found[1], cond, masked, *head.consumed))
