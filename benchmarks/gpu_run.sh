@@ -28,6 +28,8 @@
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
 #   topk    the top-k head (k = 64, log-probs at T = 0.7) and the kept-set log-probs at llama3-8b against cuBLAS's
 #           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides)
+#   bicost  INDUCTOR_XENT_BATCH_INVARIANT=1 against off at the qwen2.5-7b RL head, forward and step, 3 rounds
+#           (bench_batch_invariant.py), and 300 rows alone against inside the batch
 #   probe   scratch/bi_probe.py when present (an uncommitted experiment; carry "scratch")
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl;
 #           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile)
@@ -137,6 +139,8 @@ for step in ${STEPS//,/ }; do
         topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick ${TOPK_METHODS:+--methods $TOPK_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/topk.log" | grep -E "^\||^target|rror" ;;
         probe) timeout 120 python3 scratch/bi_probe.py 2>&1 | tee "$OUT/probe.log" | tail -60 ;;
+        bicost) timeout ${BICOST_S:-150} python3 benchmarks/bench_batch_invariant.py --out "$OUT" 2>&1 \
+                   | tee "$OUT/bicost.log" | tail -4 ;;
         rl)    timeout ${RL_S:-150} python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b ${RL_METHODS:+--methods $RL_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
         profile) timeout 150 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_compiled 2>&1 \
