@@ -90,9 +90,11 @@ timeout() { local t; t=$(cap "$1"); shift; if [ "$t" -lt 20 ]; then echo "(skipp
 for step in ${STEPS//,/ }; do
     echo "=== $step $(date -u +%T) ($(left) s left)"
     case $step in
-        tests) echo "+ $TESTS"; timeout ${TESTS_S:-430} $TESTS -p no:cacheprovider --tb=short --durations=12 2>&1 | tee "$OUT/pytest.log" \
-                   | grep -vE "^\.|^\s*$" | tail -40 ;;
-        gputests) timeout ${GPUTESTS_S:-200} python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short \
+        # -v -v (after the README's -q): every test's outcome as it ends, so that a step cut by its timeout
+        # still names what failed (the fifth session's last suite run died unnamed at 1021 of 1029)
+        tests) echo "+ $TESTS"; timeout ${TESTS_S:-540} $TESTS -v -v -p no:cacheprovider --tb=short --durations=12 2>&1 \
+                   | tee "$OUT/pytest.log" | grep -E "FAILED|ERROR|passed|failed|^=" | tail -60 ;;
+        gputests) timeout ${GPUTESTS_S:-200} python3 -m pytest -v -n 8 -p no:cacheprovider --tb=short \
                    ${GPUTESTS_FILES:-tests/test_gpu_kernels.py tests/test_templates.py} 2>&1 | tee "$OUT/pytest_gpu.log" \
                    | grep -vE "^\.|^\s*$" | tail -30 ;;
         dynamotests) timeout 250 python3 -m pytest -q -n 8 -p no:cacheprovider --tb=short tests/test_zoo.py \

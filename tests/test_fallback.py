@@ -61,6 +61,10 @@ def _ours_kw(c):
 @example(dict(n=7, d=17, v=1, dtype=torch.float32, bias=False, three_d=False, non_contiguous=True, ignore="some",
               ignore_index=-100, reduction="mean", label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
               chunk_bytes=64, strategy="recompute", seed=728974))
+# and an empty one (N = 0: every gradient empty)
+@example(dict(n=0, d=1, v=1, dtype=torch.float32, bias=False, three_d=False, non_contiguous=False, ignore="none",
+              ignore_index=-100, reduction="sum", label_smoothing=0.0, logit_scale=1.0, softcap=None, z_loss=0.0,
+              chunk_bytes=64, strategy="recompute", seed=0))
 def test_matches_oracle(c):
     with fallback_chunks(c["chunk_bytes"]):  # the backward chunks as the forward did (helpers)
         _check_against_oracle(c)

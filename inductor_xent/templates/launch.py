@@ -238,6 +238,17 @@ def _grad_weight_buffer(weight: Tensor, needed: bool) -> Tensor:
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
 
 
+def _weight_grads(weight: Tensor, bias: Optional[Tensor], need_w: bool, need_b: bool,
+                  add_to: Optional[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """(grad_weight, grad_bias): ``add_to``'s buffers (other rows' gradients, added into), else new
+    ones (uninitialised; empty (0,) where not needed)."""
+    if add_to is not None:
+        return add_to
+    v = weight.shape[0]
+    return _grad_weight_buffer(weight, need_w), torch.empty(
+        (v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype, device=weight.device)
+
+
 def backward(
     grad_loss: Tensor,  # (N,)
     grad_lse: Tensor,  # (N,)
@@ -268,12 +279,7 @@ def backward(
     n, d = hidden.shape
     v = weight.shape[0]
     grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
-    if add_to is None:
-        grad_w = _grad_weight_buffer(weight, need_w)
-        grad_b = torch.empty((v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype,
-                             device=weight.device)
-    else:
-        grad_w, grad_b = add_to
+    grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
     if n == 0 or not (need_h or need_w or need_b):
         if add_to is None:
             grad_w.zero_()
@@ -535,12 +541,7 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
     if need_h:
         _mm_into(grad_h, dz, weight, accumulate=False)
-    if add_to is None:
-        grad_w = _grad_weight_buffer(weight, need_w)
-        grad_b = torch.empty((v,) if need_b else (0,), dtype=weight.dtype if bias is None else bias.dtype,
-                             device=weight.device)
-    else:
-        grad_w, grad_b = add_to
+    grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
     if need_w:
         grad_weight_chunk(grad_w, dz, hidden, accumulate=add_to is not None)
     if need_b:
