@@ -106,6 +106,7 @@ def linear_log_probs(
     strategy: Optional[str] = None,
     store_budget: Optional[str | int] = None,
     top_k: Optional[int | Tensor] = None,
+    top_p: Optional[float] = None,
 ) -> LogProbs:
     """Per-token log-probabilities of ``target`` (and optionally the entropy and the argmax) of a
     linear layer's output at a sampling temperature, without materialising the ``[N, V]`` logits:
@@ -156,6 +157,15 @@ def linear_log_probs(
     returns). It runs the top-k op (``topk.py``: row chunks, ``torch.topk`` over each chunk's
     logits; its backward recomputes them; ``strategy`` does not apply); a per-row ``top_k`` costs
     one host synchronisation (the op's k is the largest).
+
+    ``top_p`` (in (0, 1]) replays nucleus sampling: the kept set is each row's smallest prefix of
+    logits, largest first, whose probability reaches ``top_p`` (after ``top_k`` when both are given,
+    renormalised over the top-k first, as vLLM and HF apply them; a column is kept while the mass
+    before it is below ``top_p``). The log-probs are over that set (``−inf`` outside it), with
+    gradients as eager's masked log-softmax. It runs ``inductor_xent::linear_nucleus_logprob``: each
+    row chunk's logits sorted (O(chunk·V) memory, no ``[N, V]`` tensor), its backward recomputing
+    them; ``entropy`` and ``argmax`` are not computed with ``top_p`` (a ``ValueError``). A kept set
+    decided within rounding of the rollout engine's (its mass at ``top_p`` exactly) may differ.
     """
     _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)
     hidden, weight, bias = _autocast(hidden, weight, bias)
@@ -168,6 +178,16 @@ def linear_log_probs(
             raise TypeError(f"{name} must be True or False, got {flag!r}")
     scale, cap = fold_temperature(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    if top_p is not None:
+        if entropy or argmax:
+            raise ValueError("entropy and argmax are not computed with top_p: call linear_log_probs once more "
+                             "without top_p for them")
+        if isinstance(top_k, Tensor) and top_k.shape != target.shape:
+            raise ValueError(f"a top_k tensor must have target's shape {tuple(target.shape)}, got {tuple(top_k.shape)}")
+        lp = _topk.nucleus(hidden2d, weight, bias, target.reshape(-1),
+                           top_k.reshape(-1) if isinstance(top_k, Tensor) else top_k, top_p, scale, cap,
+                           int(ignore_index))
+        return LogProbs(lp.view(target.shape), None, None)
     if top_k is not None:
         if isinstance(top_k, Tensor) and top_k.shape != target.shape:
             raise ValueError(f"a top_k tensor must have target's shape {tuple(target.shape)}, got {tuple(top_k.shape)}")

@@ -1,5 +1,6 @@
 """Per-row top-k of an lm_head's logits or log-probs without the ``[N, V]`` logits (issue 25, item 2),
-and the log-probs renormalised over each row's top-k kept set built on it (item 3).
+the log-probs renormalised over each row's top-k kept set built on it, and over a top-p (nucleus)
+kept set (item 3: ``inductor_xent::linear_nucleus_logprob``, each row chunk's logits sorted).
 
 With ``u = softcap·tanh(z·scale/softcap)`` (``u = z·scale`` without a softcap; a temperature ``T``
 is folded in as for the log-prob op, ``options.fold_temperature``) and ``z = hidden @ weight.T + bias``:
@@ -206,6 +207,150 @@ TOPK = torch.ops.inductor_xent.linear_topk.default
 TOPK_BACKWARD = torch.ops.inductor_xent.linear_topk_bwd.default
 
 
+# ---------------------------------------------------------------------------------------------
+# top-p (nucleus) kept sets: each chunk's logits sorted, the kept prefix, its logsumexp
+# ---------------------------------------------------------------------------------------------
+def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], top_p: float) -> Tensor:
+    """The kept mask over one chunk's logits sorted in descending order (``s``, compute dtype): the
+    first ``k_rows`` columns of each row (all without it), then of those the smallest prefix whose
+    renormalised probability reaches ``top_p`` (a column is kept while the mass before it is below
+    ``top_p``: the first always; HF's and vLLM's rule, ``cumsum(ascending) <= 1 − top_p`` removed)."""
+    keep = torch.ones_like(s, dtype=torch.bool)
+    if k_rows is not None:
+        keep &= torch.arange(s.shape[1], device=s.device)[None, :] < k_rows[:, None]
+    if top_p < 1.0:
+        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        keep &= (p.cumsum(-1) - p) < top_p
+    return keep
+
+
+def _nucleus_chunk(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index):
+    """(u, x, kept mask in column order, lse over the kept columns, the target kept) of one row chunk."""
+    u, x = _scaled(F.linear(hidden, weight, bias), logit_scale, softcap)
+    s, order = torch.sort(u, dim=-1, descending=True, stable=True)  # stable: the same ties every pass
+    keep_sorted = _kept_sorted(s, k_rows, top_p)
+    lse = torch.logsumexp(s.masked_fill(~keep_sorted, float("-inf")), dim=-1)
+    del s
+    keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0)[:, None]
+    hit = keep.gather(1, t)[:, 0] & valid
+    return u, x, keep, lse, t, hit, valid
+
+
+def _nucleus_forward(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index):
+    n, v = hidden.shape[0], weight.shape[0]
+    cd = compute_dtype(hidden.dtype)
+    out = hidden.new_empty((n,), dtype=cd)
+    lse_all = hidden.new_empty((n,), dtype=cd)
+    step = chunk_rows(n, v, hidden.device)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        u, _, _, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl],
+                                                     None if k_rows is None else k_rows[sl], top_p, logit_scale,
+                                                     softcap, ignore_index)
+        rows = torch.where(hit, u.gather(1, t)[:, 0] - lse, float("-inf"))
+        out[sl] = torch.where(valid, rows, 0.0)
+        lse_all[sl] = lse
+    return out, lse_all
+
+
+def _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index,
+                      needs):
+    """d(log-prob over the kept set)/d(inputs) with the kept set a constant (as eager's masked_fill):
+    du = g·(onehot(t)·[t kept] − p_kept), p_kept = softmax over the kept columns, 0 elsewhere."""
+    n, v = hidden.shape[0], weight.shape[0]
+    cd = compute_dtype(hidden.dtype)
+    step = chunk_rows(n, v, hidden.device)
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
+    wide = strategy.fp32_accumulate(n, step, weight.element_size(), True)
+    grad_w = torch.zeros(weight.shape, dtype=cd if wide else weight.dtype, device=weight.device) if need_w \
+        else weight.new_empty(0)
+    grad_b = torch.zeros(v, dtype=cd, device=weight.device) if need_b else weight.new_empty(0)
+    g_all = grad.to(cd)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        u, x, keep, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl],
+                                                        None if k_rows is None else k_rows[sl], top_p,
+                                                        logit_scale, softcap, ignore_index)
+        g = torch.where(valid, g_all[sl], 0.0)[:, None]
+        du = torch.where(keep, torch.exp(u - lse[:, None]), 0.0).mul_(-g)
+        du.scatter_add_(1, t, torch.where(hit[:, None], g, 0.0))
+        del u, keep
+        dz = du.mul_(logit_scale)
+        if x is not None:
+            dz *= x.cosh_().square_().reciprocal_()
+        dz = dz.to(hidden.dtype)
+        if need_h:
+            grad_h[sl] = dz @ weight
+        if need_w:
+            if grad_w.dtype == dz.dtype:
+                grad_w.addmm_(dz.t(), hidden[sl])
+            elif dz.device.type == "cuda":
+                torch.addmm(grad_w, dz.t(), hidden[sl], out_dtype=grad_w.dtype, out=grad_w)
+            else:
+                grad_w += dz.t().to(cd) @ hidden[sl].to(cd)
+        if need_b:
+            grad_b += dz.sum(0, dtype=cd)
+    return grad_h, grad_w.to(weight.dtype), grad_b.to(bias.dtype) if need_b else grad_b
+
+
+@torch.library.custom_op("inductor_xent::linear_nucleus_logprob", mutates_args=())
+def linear_nucleus_logprob(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                           k_rows: Optional[Tensor], top_p: float, logit_scale: float, softcap: Optional[float],
+                           ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(log-probs over each row's top-k / top-p kept set, the kept set's logsumexp), (N,) each."""
+    return _nucleus_forward(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index)
+
+
+@linear_nucleus_logprob.register_fake
+def _(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index):
+    cd = compute_dtype(hidden.dtype)
+    return hidden.new_empty(hidden.shape[:1], dtype=cd), hidden.new_empty(hidden.shape[:1], dtype=cd)
+
+
+@torch.library.custom_op("inductor_xent::linear_nucleus_logprob_bwd", mutates_args=())
+def linear_nucleus_logprob_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                               k_rows: Optional[Tensor], top_p: float, logit_scale: float, softcap: Optional[float],
+                               ignore_index: int, needs_hidden: bool, needs_weight: bool,
+                               needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index,
+                             (needs_hidden, needs_weight, needs_bias))
+
+
+@linear_nucleus_logprob_bwd.register_fake
+def _(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index, needs_hidden,
+      needs_weight, needs_bias):
+    return (hidden.new_empty(hidden.shape) if needs_hidden else hidden.new_empty(0),
+            weight.new_empty(weight.shape) if needs_weight else weight.new_empty(0),
+            bias.new_empty(bias.shape) if needs_bias and bias is not None else weight.new_empty(0))
+
+
+def _nucleus_setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, k_rows)
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.options = (top_p, logit_scale, softcap, ignore_index)
+
+
+def _nucleus_autograd_backward(ctx, grad, _grad_lse):
+    hidden, weight, bias, target, k_rows = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and bias is not None
+    if grad is None or not (need_h or need_w or need_b):
+        return (None,) * 9
+    gh, gw, gb = linear_nucleus_logprob_bwd(grad, hidden, weight, bias, target, k_rows, *ctx.options, need_h, need_w,
+                                            need_b)
+    return gh if need_h else None, gw if need_w else None, gb if need_b else None, *(None,) * 6
+
+
+linear_nucleus_logprob.register_autograd(_nucleus_autograd_backward, setup_context=_nucleus_setup_context)
+NUCLEUS = torch.ops.inductor_xent.linear_nucleus_logprob.default
+
+
 def _check_k(k, v: int, name: str = "k") -> int:
     if isinstance(k, bool) or not isinstance(k, int):
         raise TypeError(f"{name} must be an int, got {type(k).__name__}")
@@ -262,6 +407,38 @@ def linear_topk(
     return TopK(values.reshape(*lead, k), indices.reshape(*lead, k))
 
 
+def check_top_k(top_k: Union[int, Tensor], target: Tensor, v: int) -> int:
+    """The largest k of ``top_k`` (one int, or one per row of ``target``: read with one host
+    synchronisation), or ValueError / TypeError naming what is wrong."""
+    if not isinstance(top_k, Tensor):
+        return _check_k(top_k, v, "top_k")
+    if top_k.shape != target.shape or top_k.dtype == torch.bool or top_k.is_floating_point() or top_k.is_complex():
+        raise ValueError(f"a top_k tensor must hold integers, one per row of target {tuple(target.shape)}; "
+                         f"got {top_k.dtype} {tuple(top_k.shape)}")
+    lo, hi = (int(x) for x in torch.aminmax(top_k))
+    if lo < 1 or hi > v:
+        raise ValueError(f"every top_k must be in [1, V] = [1, {v}], got values in [{lo}, {hi}]")
+    return hi
+
+
+def nucleus(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+            top_k: Optional[Union[int, Tensor]], top_p: float, logit_scale: float, softcap: Optional[float],
+            ignore_index: int) -> Tensor:
+    """``linear_log_probs(..., top_p=)`` on 2-D inputs: the log-prob of ``target`` over each row's
+    kept set, its ``top_k`` largest logits (all without ``top_k``) and of those the smallest prefix
+    whose renormalised probability reaches ``top_p`` (``_kept_sorted``); −inf where the target is
+    outside it, 0 on ignored rows (the op ``inductor_xent::linear_nucleus_logprob``: each row chunk's
+    logits sorted, O(chunk · V) memory)."""
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    k_rows = None
+    if top_k is not None:
+        check_top_k(top_k, target, weight.shape[0])
+        k_rows = top_k.to(device=hidden2d.device, dtype=torch.long) if isinstance(top_k, Tensor) else \
+            torch.full(target.shape, top_k, dtype=torch.long, device=hidden2d.device)
+    return NUCLEUS(hidden2d, weight, bias, target, k_rows, float(top_p), logit_scale, softcap, ignore_index)[0]
+
+
 def kept(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, top_k: Union[int, Tensor],
          logit_scale: float, softcap: Optional[float], ignore_index: int, need_entropy: bool,
          need_argmax: bool) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
@@ -272,18 +449,7 @@ def kept(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tenso
     ``top_k`` is one int or one per row ((N,), each in [1, V]: the op runs at the largest, read
     with one host synchronisation). Gradients as eager's masked log-softmax gives them (the
     target's column where it is kept, the logsumexp's to every kept column)."""
-    v = weight.shape[0]
-    if isinstance(top_k, Tensor):
-        if top_k.shape != target.shape or top_k.dtype == torch.bool or top_k.is_floating_point() \
-                or top_k.is_complex():
-            raise ValueError(f"a top_k tensor must hold integers, one per row of target {tuple(target.shape)}; "
-                             f"got {top_k.dtype} {tuple(top_k.shape)}")
-        lo, hi = (int(x) for x in torch.aminmax(top_k))  # the op's k (one host synchronisation)
-        if lo < 1 or hi > v:
-            raise ValueError(f"every top_k must be in [1, V] = [1, {v}], got values in [{lo}, {hi}]")
-        k = hi
-    else:
-        k = _check_k(top_k, v, "top_k")
+    k = check_top_k(top_k, target, weight.shape[0])
     values, indices, _ = TOPK(hidden2d, weight, bias, k, logit_scale, softcap, False)
     if isinstance(top_k, Tensor):
         kept_cols = torch.arange(k, device=values.device)[None, :] < top_k.to(values.device)[:, None]

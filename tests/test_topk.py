@@ -43,8 +43,8 @@ def _leaves(ts, dtype=None):
     return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in ts]
 
 
-def _grads(out, leaves, g):
-    return torch.autograd.grad(out, [t for t in leaves if t is not None], g)
+def _grads(out, leaves, g, retain=False):
+    return torch.autograd.grad(out, [t for t in leaves if t is not None], g, retain_graph=retain)
 
 
 OPTIONS = {  # name -> (logit_scale, softcap, temperature)
@@ -360,3 +360,74 @@ def test_router_topk_is_no_candidate():
         return weights.sum(), experts
 
     assert inductor_xent.explain(route, h, gate).sites == []
+
+
+# ---------------------------------------------------------------------------------------------
+# top-p (nucleus) kept sets: linear_log_probs(..., top_p=)
+# ---------------------------------------------------------------------------------------------
+def _nucleus_eager(h, w, b, y, top_p, top_k, temperature, dtype=None):
+    """HF's TopKLogitsWarper then TopPLogitsWarper (sort ascending, remove cumulative ≤ 1 − p, keep
+    the last), then the log-softmax at the target."""
+    u = _eager_logits(h, w, b, 1.0, None, temperature, dtype)
+    if top_k is not None:
+        srt = u.sort(-1, descending=True).values
+        kth = srt[..., top_k - 1: top_k] if isinstance(top_k, int) else srt.gather(-1, (top_k - 1).unsqueeze(-1))
+        u = u.masked_fill(u < kth, float("-inf"))
+    s, idx = torch.sort(u, descending=False)
+    remove = s.softmax(-1).cumsum(-1) <= (1 - top_p)
+    remove[..., -1] = False
+    u = u.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
+    return u.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("top_p, top_k", [(0.8, None), (0.5, 40), (0.95, "per_row"), (1.0, None)])
+def test_nucleus_log_probs_match_eager(top_p, top_k):
+    """Log-probs over each row's top-p (after top-k) kept set against HF's warpers written out:
+    −inf on the same rows, values and gradients (the −inf rows' too: eager pushes the kept logits
+    down there) within torch's own error, over several row chunks."""
+    h, w, b, _ = _inputs(seed=31)
+    gen = torch.Generator().manual_seed(32)
+    with torch.no_grad():  # ids mostly sampled near the top (inside the kept sets), some not
+        y = torch.topk(F.linear(h, w, b), 6).indices[..., 2]
+        y[0] = torch.randint(0, V, y[0].shape, generator=gen)
+    k = torch.randint(1, 60, y.shape, generator=gen) if top_k == "per_row" else top_k
+    g = torch.randn(y.shape, generator=gen)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        lv = _leaves((h, w, b), dtype)
+        lp = _nucleus_eager(*lv, y, top_p, k, 0.7, dtype)
+        results.append((lp, _grads((lp.where(torch.isfinite(lp), 0.0) * g.to(dtype)).sum(), lv, None, True),
+                        _grads((lp * g.to(dtype)).sum(), lv, None)))
+    lv = _leaves((h, w, b))
+    with fallback_chunks(V * 12 * 7):  # 7 rows a chunk
+        lp = inductor_xent.linear_log_probs(lv[0], lv[1], y, bias=lv[2], temperature=0.7, top_p=top_p,
+                                            top_k=k).log_probs
+        ours = _grads((lp.where(torch.isfinite(lp), 0.0) * g).sum(), lv, None, True), _grads((lp * g).sum(), lv, None)
+    (e_lp, *e_grads), (s_lp, *s_grads) = results
+    fin = torch.isfinite(e_lp)
+    assert torch.equal(torch.isfinite(lp), fin) and fin.any() and (top_p == 1.0 or (~fin).any())
+    assert torch.all(lp[~fin] == float("-inf"))
+    assert_within_torch_error(lp[fin], s_lp[fin], e_lp[fin], what="log_probs")
+    for which in range(2):
+        for name, a, s, e in zip(("hidden", "weight", "bias"), ours[which], s_grads[which], e_grads[which]):
+            assert_within_torch_error(a, s, e, what=f"{name} ({'finite rows' if which == 0 else 'all rows'})")
+
+
+def test_nucleus_rejects():
+    h, w, b, y = _inputs()
+    for bad in (0.0, 1.5, True):
+        with pytest.raises(ValueError, match="top_p must be a number in"):
+            inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=bad)
+    with pytest.raises(ValueError, match="not computed with top_p"):
+        inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=0.9, entropy=True)
+
+
+def test_opcheck_nucleus_ops():
+    h, w, b, y = _inputs(seed=33)
+    h2, y1 = h.reshape(-1, D), y.reshape(-1)
+    k_rows = torch.full((N,), 30)
+    args = (h2.requires_grad_(), w.requires_grad_(), b, y1, k_rows, 0.9, 1.2, 4.0, -100)
+    torch.library.opcheck(topk.NUCLEUS, args)
+    torch.library.opcheck(torch.ops.inductor_xent.linear_nucleus_logprob_bwd.default,
+                          (torch.randn(N), h2.detach(), w.detach(), b, y1, k_rows, 0.9, 1.2, 4.0, -100, True, True,
+                           True))
