@@ -114,27 +114,38 @@ def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional
 
 def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: float, softcap: Optional[float],
               log_probs: bool, needs: tuple[bool, bool, bool]):
+    g_all = grad_values.to(compute_dtype(hidden.dtype))
+
+    def du_of(sl):
+        u, x = _scaled(F.linear(hidden[sl], weight, bias), logit_scale, softcap)
+        g = g_all[sl]
+        du = torch.zeros_like(u).scatter_(1, indices[sl], g)
+        if log_probs:  # d(u_j − lse)/du = onehot_j − softmax(u)
+            du -= torch.exp(u - lse[sl, None]) * g.sum(-1, keepdim=True)
+        return du, x
+
+    return _grads_from_du(hidden, weight, bias, needs, logit_scale, du_of)
+
+
+def _grads_from_du(hidden, weight, bias, needs: tuple[bool, bool, bool], logit_scale: float, du_of):
+    """(grad_hidden, grad_weight, grad_bias) from each row chunk's ``du`` (the gradient with respect
+    to the scaled, capped logits u, compute dtype): ``du_of(rows)`` gives it and the softcap's
+    argument x (None without one). dz = du·scale·sech²(x) in the input dtype, then dz @ W into the
+    chunk's grad_hidden and dzᵀ @ h added into grad_weight (in fp32 where a 16-bit one would be rounded
+    too often: strategy.fp32_accumulate); not-needed gradients are empty (0,)."""
     n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden.dtype)
     step = chunk_rows(n, v, hidden.device)
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
-    # the weight's and bias's sums over the chunks, in fp32 where a 16-bit one would be rounded too
-    # often (strategy.fp32_accumulate: the store strategy's rule)
     wide = strategy.fp32_accumulate(n, step, weight.element_size(), True)
     grad_w = torch.zeros(weight.shape, dtype=cd if wide else weight.dtype, device=weight.device) if need_w \
         else weight.new_empty(0)
     grad_b = torch.zeros(v, dtype=cd, device=weight.device) if need_b else weight.new_empty(0)
-    g_all = grad_values.to(cd)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
-        u, x = _scaled(F.linear(hidden[sl], weight, bias), logit_scale, softcap)
-        g = g_all[sl]
-        du = torch.zeros_like(u).scatter_(1, indices[sl], g)
-        if log_probs:  # d(u_j − lse)/du = onehot_j − softmax(u)
-            du -= torch.exp(u - lse[sl, None]) * g.sum(-1, keepdim=True)
-        del u
+        du, x = du_of(sl)
         dz = du.mul_(logit_scale)
         if x is not None:
             dz *= x.cosh_().square_().reciprocal_()  # sech²(x), no cancellation where tanh saturates
@@ -259,42 +270,17 @@ def _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_s
                       needs):
     """d(log-prob over the kept set)/d(inputs) with the kept set a constant (as eager's masked_fill):
     du = g·(onehot(t)·[t kept] − p_kept), p_kept = softmax over the kept columns, 0 elsewhere."""
-    n, v = hidden.shape[0], weight.shape[0]
-    cd = compute_dtype(hidden.dtype)
-    step = chunk_rows(n, v, hidden.device)
-    need_h, need_w, need_b = needs
-    need_b = need_b and bias is not None
-    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
-    wide = strategy.fp32_accumulate(n, step, weight.element_size(), True)
-    grad_w = torch.zeros(weight.shape, dtype=cd if wide else weight.dtype, device=weight.device) if need_w \
-        else weight.new_empty(0)
-    grad_b = torch.zeros(v, dtype=cd, device=weight.device) if need_b else weight.new_empty(0)
-    g_all = grad.to(cd)
-    for start in range(0, n, step):
-        sl = slice(start, min(n, start + step))
+    g_all = grad.to(compute_dtype(hidden.dtype))
+
+    def du_of(sl):
         u, x, keep, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl],
                                                         None if k_rows is None else k_rows[sl], top_p,
                                                         logit_scale, softcap, ignore_index)
         g = torch.where(valid, g_all[sl], 0.0)[:, None]
         du = torch.where(keep, torch.exp(u - lse[:, None]), 0.0).mul_(-g)
-        du.scatter_add_(1, t, torch.where(hit[:, None], g, 0.0))
-        del u, keep
-        dz = du.mul_(logit_scale)
-        if x is not None:
-            dz *= x.cosh_().square_().reciprocal_()
-        dz = dz.to(hidden.dtype)
-        if need_h:
-            grad_h[sl] = dz @ weight
-        if need_w:
-            if grad_w.dtype == dz.dtype:
-                grad_w.addmm_(dz.t(), hidden[sl])
-            elif dz.device.type == "cuda":
-                torch.addmm(grad_w, dz.t(), hidden[sl], out_dtype=grad_w.dtype, out=grad_w)
-            else:
-                grad_w += dz.t().to(cd) @ hidden[sl].to(cd)
-        if need_b:
-            grad_b += dz.sum(0, dtype=cd)
-    return grad_h, grad_w.to(weight.dtype), grad_b.to(bias.dtype) if need_b else grad_b
+        return du.scatter_add_(1, t, torch.where(hit[:, None], g, 0.0)), x
+
+    return _grads_from_du(hidden, weight, bias, needs, logit_scale, du_of)
 
 
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob", mutates_args=())
