@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import config, options, strategy
+from .ops import _without_autocast
 from .options import compute_dtype
 
 # a chunk's bytes per logit: the logits in the input dtype and two compute-dtype copies (the
@@ -165,6 +166,7 @@ def _grads_from_du(hidden, weight, bias, needs: tuple[bool, bool, bool], logit_s
 
 
 @torch.library.custom_op("inductor_xent::linear_topk", mutates_args=())
+@_without_autocast
 def linear_topk_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], k: int, logit_scale: float,
                     softcap: Optional[float], log_probs: bool) -> tuple[Tensor, Tensor, Tensor]:
     return _forward(hidden, weight, bias, k, logit_scale, softcap, log_probs)
@@ -178,6 +180,7 @@ def _(hidden, weight, bias, k, logit_scale, softcap, log_probs):
 
 
 @torch.library.custom_op("inductor_xent::linear_topk_bwd", mutates_args=())
+@_without_autocast
 def linear_topk_bwd(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], indices: Tensor,
                     lse: Tensor, logit_scale: float, softcap: Optional[float], log_probs: bool, needs_hidden: bool,
                     needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -284,6 +287,7 @@ def _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_s
 
 
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob", mutates_args=())
+@_without_autocast
 def linear_nucleus_logprob(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                            k_rows: Optional[Tensor], top_p: float, logit_scale: float, softcap: Optional[float],
                            ignore_index: int) -> tuple[Tensor, Tensor]:
@@ -298,6 +302,7 @@ def _(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_
 
 
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob_bwd", mutates_args=())
+@_without_autocast
 def linear_nucleus_logprob_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                                k_rows: Optional[Tensor], top_p: float, logit_scale: float, softcap: Optional[float],
                                ignore_index: int, needs_hidden: bool, needs_weight: bool,
@@ -383,7 +388,11 @@ def linear_topk(
         torch.topk(F.log_softmax(z, -1) if log_probs else z, k)
 
     ``values`` are in the compute dtype (fp32 for 16-bit inputs) and differentiable; ``indices``
-    int64; both ``[..., k]``."""
+    int64; both ``[..., k]``. Inside ``torch.autocast`` the operands are cast as autocast casts them
+    for ``F.linear``."""
+    from .api import _autocast  # (api imports this module)
+
+    hidden, weight, bias = _autocast(hidden, weight, bias)  # as F.linear under torch.autocast
     _check_head(hidden, weight, bias)
     k = _check_k(k, weight.shape[0])
     scale, cap = _scale_and_cap(temperature, logit_scale, softcap)

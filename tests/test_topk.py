@@ -283,7 +283,26 @@ def _kept_where(x, W, y):
     return (torch.where(torch.isfinite(lp), lp, 0.0) * 0.5).sum(), lp.detach()
 
 
+def _loss_and_tempered_topk(x, W, y):
+    """The loss at temperature 1 and a top-k of the log-probs at T = 0.7 over the same matmul (KD
+    metrics): two ops, each with its own scale."""
+    z = F.linear(x, W)
+    loss = F.cross_entropy(z.view(-1, z.shape[-1]), y.view(-1))
+    v, i = torch.topk(F.log_softmax(z.float() / 0.7, -1), 5)
+    return loss + 0.1 * v.sum(), i
+
+
+def _sigmoid_topk(x, W, y):
+    """modded-nanogpt's sigmoid softcap (a tanh cap plus a constant 15): the raw top-k values carry
+    the constant."""
+    z = 30 * torch.sigmoid(F.linear(x, W) / 7.5)
+    top = torch.topk(z, 5)
+    return top.values.sum(), top.indices
+
+
 SPELLINGS = {"log_probs": (_topk_log_probs, "top-k op (k=6, of the log-probs)"),
+             "loss_and_tempered_topk": (_loss_and_tempered_topk, "top-k op (k=5, of the log-probs)"),
+             "sigmoid_topk": (_sigmoid_topk, "top-k op (k=5, of the logits)"),
              "kept_masked_fill": (_kept_masked_fill, "top-k op (k=400) for the log-probs over the kept set"),
              "kept_where": (_kept_where, "top-k op (k=300) for the log-probs over the kept set"),
              "with_loss": (_loss_and_topk_accuracy, "top-k op (k=3, of the logits)"),
@@ -340,8 +359,16 @@ def _minus_logsumexp(x, W, y):
     return torch.topk(z - torch.logsumexp(z, -1, keepdim=True), 3).values.sum()
 
 
+def _into_out(x, W, y):
+    values = torch.empty(x.shape[0], x.shape[1], 3)
+    indices = torch.empty(x.shape[0], x.shape[1], 3, dtype=torch.long)
+    torch.topk(F.linear(x, W), 3, out=(values, indices))
+    return values.sum()
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("fn, words", [(_smallest, "largest=False"), (_minus_logsumexp, "spell it log_softmax")])
+@pytest.mark.parametrize("fn, words", [(_smallest, "largest=False"), (_minus_logsumexp, "spell it log_softmax"),
+                                       (_into_out, "out=")])
 def test_topk_declines_with_reason(fn, words):
     h, w, _, y = _inputs(seed=22)
     (site,) = inductor_xent.explain(fn, h, w, y).sites
@@ -431,3 +458,31 @@ def test_opcheck_nucleus_ops():
     torch.library.opcheck(torch.ops.inductor_xent.linear_nucleus_logprob_bwd.default,
                           (torch.randn(N), h2.detach(), w.detach(), b, y1, k_rows, 0.9, 1.2, 4.0, -100, True, True,
                            True))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_topk_under_autocast_matches_eager_autocast():
+    """Under torch.autocast (bf16, fp32 parameters): linear_topk casts as F.linear does, and the pass
+    fuses a loss with a top-k at a temperature; values and gradients within eager autocast's error
+    against float64 of the bf16-rounded operands, the top-k ids those of eager's bf16 logits."""
+    h, w, _, y = _inputs(seed=41)
+    y = y.clamp(min=0)
+    g = torch.randn(3, N // 3, 5, generator=torch.Generator().manual_seed(42))
+
+    def spelled(x, W):
+        return torch.topk(F.log_softmax(F.linear(x, W).float() / 0.7, -1), 5)
+
+    lv64 = _leaves((h.to(torch.bfloat16), w.to(torch.bfloat16)), torch.float64)
+    exact = spelled(*lv64)
+    exact_g = _grads(exact.values, lv64, g.double())
+    for name, run in (("api", lambda x, W: inductor_xent.linear_topk(x, W, 5, log_probs=True, temperature=0.7)),
+                      ("pass", torch.compile(spelled, backend="inductor_xent"))):
+        lv, le = _leaves((h, w)), _leaves((h, w))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ours, same = run(*lv), spelled(*le)
+        # the ids of the same bf16 logits (float64's may order near-ties that bf16 rounding made otherwise)
+        assert torch.equal(ours.indices, same.indices), name
+        assert_within_torch_error(ours.values, same.values, exact.values, what=f"{name} values")
+        for wn, a, s, e in zip(("hidden", "weight"), _grads(ours.values, lv, g), _grads(same.values, le, g), exact_g):
+            assert a.dtype == torch.float32, (name, wn)
+            assert_within_torch_error(a, s, e, what=f"{name} grad {wn}")

@@ -309,9 +309,13 @@ def _logsumexps(heads: list, chain: LogitsChain, read: dict, owned: dict) -> dic
 
 def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
     """Why these heads cannot share one op call, or None."""
-    if any(not _logits.same_logits(chain, c, monotone=h.kind == "argmax") for h, c in heads):
+    # a top-k head is an op of its own: its own scale, softcap and shift, the site's rows and operands
+    if any(not _logits.same_logits(chain, c, monotone=h.kind in ("argmax", "topk", "kept")) for h, c in heads):
         return ("heads of one lm_head read different logits (another scale or temperature, softcap or rows): "
                 "one op computes one set; compute every head from the same logits tensor to fuse")
+    if any(h.kind in ("topk", "kept") and (c.row_scaled != chain.row_scaled or c.bias_shift != chain.bias_shift)
+           for h, c in heads):
+        return "a top-k head over other logits than the site's (a per-row temperature or a number added before the cap)"
     with_target = [h for h, _ in heads if h.target is not None]
     if len({h.ignore_index for h in with_target} - {NO_IGNORE}) > 1:
         return "heads of the same logits with different ignore_index"

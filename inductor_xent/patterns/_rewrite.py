@@ -55,10 +55,12 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     folded: list = []  # negations of a head that the op's output replaces instead
     for h, c in plan.heads:  # top-k heads: one top-k op each (topk.py)
+        # (each with its own scale and softcap: a top-k at a temperature next to the loss)
+        own = float(c.logit_scale), None if c.softcap is None else float(c.softcap)
         if h.kind == "topk":
-            _topk(e, h, c, (hidden2d, weight, bias), scale, cap, (hidden, all_ops, d))
+            _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d))
         elif h.kind == "kept":
-            out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, scale, cap, False)
+            out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, *own, False)
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
             rows = e.call(topk.kept_from_top, e.getitem(out, 0), e.getitem(out, 1), t1d, int(h.ignore_index))
             _place(e, h.loss, _shaped(e, h, c, rows, hidden, all_ops, d), h.negate, chain, folded)
@@ -205,6 +207,8 @@ def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, 
     items = [e.getitem(out, 0), e.getitem(out, 1)]
     if h.normalised == "probs":
         items[0] = e.call(torch.exp, items[0])
+    elif h.normalised == "logits" and c.shift:  # a number added after the softcap (a sigmoid's): the values'
+        items[0] = e.call(operator.add, items[0], c.shift)
     if tval(c.nodes[-1]).dim() != 2:
         lead = _lead(e, c, len(c.nodes) - 1, *shaping)
         items = [e.method("unflatten", t, 0, lead) for t in items]

@@ -58,6 +58,9 @@ def match(node: Node):
     if largest is not True:
         return Decline(PATTERN, node, "torch.topk(..., largest=False) (the smallest k) is not fused", logits=logits,
                        kind="topk")
+    if node.kwargs.get("out") is not None:
+        return Decline(PATTERN, node, "torch.topk(..., out=...) writes into the caller's tensors", logits=logits,
+                       kind="topk")
     if isinstance(k, bool) or not isinstance(k, int):
         return Decline(PATTERN, node, "a top-k whose k is not a Python int when compiling", logits=logits,
                        kind="topk")
