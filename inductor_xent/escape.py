@@ -51,6 +51,9 @@ class Escape:
     dtype: torch.dtype  # the matmul's (autocast's) dtype: the operands are cast to it
     weight_is_vd: bool  # the weight is stored [V, D] (else [D, V])
     steps: tuple  # ("cast", dtype) | ("scale", k) | ("tanh", None), from the raw logits on
+    # one of several heads stacked (MusicGen's ``torch.stack(heads, 1)``, returned whole): (the stack's
+    # dimension, this head's place, the number of heads); each head's tensor gets its own EscapedLogits
+    stack: Optional[tuple[int, int, int]] = None
 
 
 def recompute(spec: Escape, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], shape) -> Tensor:
@@ -82,14 +85,22 @@ class EscapedLogits(torch.autograd.Function):
         if grad is None:
             return None, None, None, None, None
         hidden, weight, bias = ctx.saved_tensors
-        needs = ctx.needs_input_grad[1:4]
+        spec, needs = ctx.spec, ctx.needs_input_grad[1:4]
+        # stacked heads: the other heads' parts of the gradient go on (to their own EscapedLogits, or into
+        # the compiled graph for a head it computes)
+        passed = grad if ctx.needs_input_grad[0] else None
+        if spec.stack is not None:
+            dim, k, count = spec.stack
+            full = [*hidden.shape[:-1], weight.shape[0] if spec.weight_is_vd else weight.shape[1]]
+            full.insert(dim, count)
+            grad = grad.reshape(full).select(dim, k)
         leaves = [None if t is None else t.detach().requires_grad_(need) for t, need in zip((hidden, weight, bias),
                                                                                             needs)]
         with torch.enable_grad():
-            z = recompute(ctx.spec, *leaves, grad.shape)
+            z = recompute(spec, *leaves, grad.shape)
             wanted = [t for t, need in zip(leaves, needs) if need]
-            got = iter(torch.autograd.grad(z, wanted, grad))
-        return (None, *(next(got) if need else None for need in needs), None)
+            got = iter(torch.autograd.grad(z, wanted, grad) if wanted else ())
+        return (passed, *(next(got) if need else None for need in needs), None)
 
 
 def wrap(gm: torch.fx.GraphModule, compiled: Any) -> Any:

@@ -8,6 +8,8 @@ the loss and every gradient against eager, whether or not the caller's loss read
 
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -179,6 +181,66 @@ def test_explain_and_counters_of_a_whole_model():
     torch.testing.assert_close(logits, eager_logits)
     torch.testing.assert_close(loss, eager_loss)
     assert counters["inductor_xent"]["sites_fused"] == 1
+
+
+def _musicgen(x, W, Wdv, y, yv, weighted=False):
+    """transformers' MusicgenForCausalLM compiled whole: codebook heads stacked on dim 1 (here two, the
+    second a [D, V] weight used as ``x @ Wdv``), a loss per codebook of ``logits[:, :, -T:][:, k]``, and the
+    stack returned reshaped to ``[B * codebooks, T, V]``. ``weighted``: the second codebook's loss has class
+    weights (it declines: the graph computes that head's logits itself)."""
+    logits = torch.stack([F.linear(x, W), x @ Wdv], dim=1)
+    labels = torch.stack([y, yv], dim=-1)
+    loss = torch.zeros([], dtype=x.dtype)
+    for k in range(2):
+        codebook = logits[:, :, -labels.shape[1]:][:, k].contiguous().view(-1, V)
+        loss += F.cross_entropy(codebook, labels[..., k].contiguous().view(-1),
+                                weight=torch.linspace(0.5, 1.5, V, dtype=x.dtype) if weighted and k else None)
+    return loss / 2, logits.reshape(-1, *logits.shape[2:])
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("uses_logits", [False, True])
+def test_returned_stacked_heads_fuse_and_match_eager(uses_logits, weighted):
+    """MusicGen as ``torch.compile(model)`` sees it (its forward returns the stacked logits): each
+    codebook's head fuses, its op writing its part of the returned stack; the returned values, the loss
+    and every gradient as eager's, whether or not the caller uses the logits. With one head declining
+    (class weights), the graph's own logits of that head sit in the stack beside the op's."""
+    ins = make_inputs()
+    leaf = leaves({k: ins[k] for k in ("x", "W", "Wdv")})
+
+    def run(backend=None, dtype=torch.float32):
+        args = {k: v.detach().to(dtype).requires_grad_() for k, v in leaf.items()}
+        f = torch.compile(_musicgen, backend=backend) if backend else _musicgen
+        loss, logits = f(**args, y=ins["y"], yv=ins["yv"], weighted=weighted)
+        total = loss + 0.1 * logits.float().square().mean() if uses_logits else loss
+        grads = torch.autograd.grad(total, list(args.values()))
+        return [loss.detach(), logits.detach(), *grads]
+
+    rec = Recorder()
+    ours, same, exact = run(rec), run(), run(dtype=torch.float64)
+    for name, a, s, e in zip(("loss", "logits", "grad x", "grad W", "grad Wdv"), ours, same, exact):
+        assert a.shape == s.shape
+        assert_within_torch_error(a, s, e, what=f"musicgen {name}")
+    assert fused_ops(rec.after[0]) == (1 if weighted else 2)
+    assert counters["inductor_xent"]["sites_declined"] == (1 if weighted else 0)
+    matmuls = [t for t in rec.after[0] if t in (torch._C._nn.linear, torch.matmul, "matmul", operator.matmul)]
+    assert len(matmuls) == (1 if weighted else 0), "the declined head's GEMM only"
+    records = rec.graphs[0].meta[escape.META_KEY][1]
+    assert sorted(r.stack[1] for r in records) == ([0] if weighted else [0, 1])
+
+
+def test_returned_stack_with_sliced_rows_declines():
+    """A loss over fewer rows than the stack returns (``logits[:, :, 1:]``): the op's logits would not
+    cover the returned ones; the decline says so."""
+    def fn(x, W, Wdv, y):
+        logits = torch.stack([F.linear(x, W), x @ Wdv], dim=1)
+        loss = sum(F.cross_entropy(logits[:, :, 1:][:, k].reshape(-1, V), y[:, 1:].reshape(-1)) for k in range(2))
+        return loss, logits.reshape(-1, *logits.shape[2:])
+
+    ins = make_inputs()
+    report = inductor_xent.explain(fn, **leaves({k: ins[k] for k in ("x", "W", "Wdv")}), y=ins["y"])
+    assert [s.fused for s in report.sites] == [False, False], str(report)
+    assert all("slice or permutation" in s.reason for s in report.sites), str(report)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from . import _dtensor, _logits, _mutation
 from ._fx import arg, hint, is_call, numel_hint, same, tval
 from ._logits import LogitsChain
 from ._site import NO_IGNORE, Decline, Head, ids_base, lse_of
-from ._steps import SPLITS, Permute, Slice, Step, stacked, step_of
+from ._steps import SPLITS, Permute, Slice, StackedSlice, Step, stacked, step_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
 ESCAPE_REASON = "the logits escape: they are a graph output (the compiled function returns them)"
@@ -48,6 +48,9 @@ class Returned:
     walk: LogitsChain
     at: int
     tail: list[Step]  # each the only user of the one before
+    # stacked heads' logits returned whole (MusicGen's ``torch.stack(heads, 1).reshape(...)``): the stack
+    # and where ``walk.nodes[at]`` is among its tensors; ``tail`` starts at the stack's user
+    stack: Optional[tuple[Node, int]] = None
 
     @property
     def node(self) -> Node:
@@ -55,10 +58,15 @@ class Returned:
         return self.tail[-1].node if self.tail else self.walk.nodes[self.at]
 
     @property
-    def replayed(self) -> list[Step]:
-        """The steps from the raw logits to ``node``, in order."""
+    def member_steps(self) -> list[Step]:
+        """The steps from the raw logits to ``walk.nodes[at]`` (the stack's tensor, when stacked)."""
         w = self.walk
-        return [*w.steps[w.raw_at: self.at], *self.tail]
+        return w.steps[w.raw_at: self.at]
+
+    @property
+    def replayed(self) -> list[Step]:
+        """The steps from the raw logits to ``node``, in order (the stack between, when stacked)."""
+        return [*self.member_steps, *self.tail]
 
 
 @dataclass
@@ -146,9 +154,9 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
                                and all(g in read or g in theirs for g in u.users)))
     stacks = [(m, u) for m in read for u in m.users if is_call(u, (torch.stack,))]
     for m, u in stacks:
-        between = _stack_reads(u, m, read)
-        if between:  # the other heads' matmuls too: dead once the last head's rewrite erases the stack
-            owned.update(dict.fromkeys([*between, *(t for t in arg(u, 0, "tensors") if isinstance(t, Node))]))
+        between, tails = _stack_reads(u, m, read) or (None, None)
+        if between and not tails:  # the other heads' matmuls too: dead once the last head's rewrite erases it
+            owned.update(_stack_owned(u, between))
     escapes = list(dict.fromkeys(u for n in read for u in n.users
                                  if u not in owned and u not in lse_users and u not in theirs))
     if lse_users and all(h.kind in ("topk", "kept") for h, _ in heads):
@@ -163,11 +171,14 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     hoist = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
     # before the escape check: with allow_escaping_logits a write would still be fused wrongly
     reason = _mutation.written_between(gm, order, [h for h, _ in heads], chain, list(read), lse_users, hoist or ())
-    returned = []
+    returned, why_not = [], None
     if not reason and escapes and can_return:
         returned, why_not = _returnable(heads, chain, read, escapes)
         escapes = [] if returned else escapes
         owned.update(dict.fromkeys(s.node for r in returned for s in r.tail))  # dead once the output reads the op
+        for r in returned:  # a stack returned whole: the graph's output reads a copy of it
+            if r.stack:
+                owned.update(_stack_owned(r.stack[0], _stack_reads(r.stack[0], r.walk.nodes[r.at], read)[0]))
         if why_not and not allow_escaping and any(u.op == "output" for u in escapes):
             return Decline(None, site.loss, f"{ESCAPE_REASON}, and {why_not}", logits_escape=True)
     if not reason and escapes and not allow_escaping:
@@ -180,8 +191,9 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
             returned = any(_reaches_output(u) for u in stacks)
             reason = (f"the stacked heads' logits ({', '.join(u.name for u in stacks)} = torch.stack of several "
                       "lm_heads) are read whole, not one head each"
-                      + (" (they are returned by the compiled function: return only the loss, or compile a "
-                         "function that does, to fuse each head)" if returned else f" ({reason})"))
+                      + (f" (they are returned by the compiled function, and {why_not})" if returned and why_not
+                         else " (they are returned by the compiled function: return only the loss, or compile a "
+                              "function that does, to fuse each head)" if returned else f" ({reason})"))
     if not reason and hoist is None:
         reason = "the targets are computed after a logsumexp of the logits"
     last = max([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
@@ -206,24 +218,64 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
         return [], "a tensor scale folded into the weight changes the op's raw logits"
     if chain.bias_shift or chain.row_scaled:
         return [], "a number added before the softcap, or a per-row temperature, changes the op's raw logits"
-    if any(isinstance(op, (Slice, Permute)) for _, op in chain.shape_ops):
+    if any(isinstance(op, (Slice, Permute)) and not _keeps_rows(op) for _, op in chain.shape_ops):
         return [], "the loss reads a slice or permutation of the rows of the returned logits"
     returned = []
     for n in read:
         for u in (u for u in n.users if u in escapes):
-            tail = _tail(n, u)
-            if tail is None:
-                return [], f"the logits have other users in the graph than its output ({u.name})"
             walk = next((c for _, c in heads if n in c.nodes), None)
             if walk is None or walk.nodes.index(n) < walk.raw_at:
                 return [], f"the returned {n.name} is not the lm_head's output (with its bias) or computed from it"
-            r = Returned(walk, walk.nodes.index(n), tail)
-            # the graph replays these steps on the op's logits, escape.EscapedLogits their math in its backward
-            if any(not s.returnable for s in r.replayed):
-                return [], f"the returned {r.node.name} is computed from the lm_head's output by more than casts, " \
-                           "views and scales"
-            returned.append(r)
+            if is_call(u, (torch.stack,)):  # stacked heads returned whole (MusicGen)
+                found, stack = _stacked_tails(u, n, read)
+                if isinstance(found, str):
+                    return [], found
+            else:
+                found, stack = [_tail(n, u)], None
+            for tail in found:
+                if tail is None:
+                    return [], f"the logits have other users in the graph than its output ({u.name})"
+                r = Returned(walk, walk.nodes.index(n), tail, stack)
+                # the graph replays these steps on the op's logits, escape.EscapedLogits their math in its backward
+                if any(not s.returnable for s in r.replayed):
+                    return [], f"the returned {r.node.name} is computed from the lm_head's output by more than " \
+                               "casts, views and scales"
+                returned.append(r)
     return returned, None
+
+
+def _stacked_tails(stack: Node, n: Node, read: dict) -> tuple:
+    """([tail, ...], (stack, k)) for ``n``, tensor ``k`` of ``stack`` (``torch.stack`` of several heads'
+    logits), when the stack's users are takes of one head each (``_stack_reads``) and steps leading
+    only to the graph's output (each tail's first step reads the stack); (why not, None) otherwise."""
+    between, tails = _stack_reads(stack, n, read) or (None, None)
+    tensors, dim = arg(stack, 0, "tensors"), arg(stack, 1, "dim", 0)
+    if between is None or not tails:
+        return f"the stacked heads' logits ({stack.name}) have other users than one head each and the output", None
+    if not isinstance(dim, int) or not isinstance(tensors, (list, tuple)) or list(tensors).count(n) != 1:
+        return f"{n.name} is not stacked once along a constant dimension ({stack.name})", None
+    return [_tail(stack, t) for t in tails], (stack, list(tensors).index(n))
+
+
+def _stack_owned(stack: Node, between: list) -> dict:
+    """What the rewrite may erase once a stack of heads is dead: the nodes from it to the takes, and
+    its tensors (the other heads' matmuls, dead once each head's rewrite erases its own take)."""
+    return dict.fromkeys([*between, *(t for t in arg(stack, 0, "tensors") if isinstance(t, Node))])
+
+
+def _keeps_rows(op: Step) -> bool:
+    """A slice that keeps every row, from static sizes (MusicGen's ``logits[:, :, -T:]`` of T rows)."""
+    if not isinstance(op, Slice) or tval(op.src) is None:
+        return False
+    shape = tval(op.src).shape
+    for idx in (op.index if isinstance(op, StackedSlice) else (op.index,)):
+        for i, size in zip(idx if isinstance(idx, tuple) else (idx,), shape):
+            try:
+                if not isinstance(i, slice) or not isinstance(size, int) or i.indices(size) != (0, size, 1):
+                    return False
+            except TypeError:  # symbolic bounds
+                return False
+    return True
 
 
 def _reaches_output(node: Node, limit: int = 64) -> bool:
@@ -239,17 +291,21 @@ def _reaches_output(node: Node, limit: int = 64) -> bool:
     return False
 
 
-def _stack_reads(stack: Node, n: Node, read: dict) -> Optional[list]:
-    """The nodes from ``stack`` (a ``torch.stack`` with ``n`` among its tensors) to the heads that take
-    one tensor of it (``_steps.stacked``), when every use of it is such a take or a slice keeping the
-    stacked dimension, and the takes of ``n`` are among ``read`` (the others read other heads'
-    logits); else None."""
-    between, frontier = [stack], [stack]
+def _stack_reads(stack: Node, n: Node, read: dict) -> Optional[tuple[list, list]]:
+    """(The nodes from ``stack`` (a ``torch.stack`` with ``n`` among its tensors) to the heads that take
+    one tensor of it (``_steps.stacked``), the stack's other users), when every use of it is such a
+    take or a slice keeping the stacked dimension, or (a user of the stack itself) not a getitem (the
+    start of a tail to the output, MusicGen's ``reshape``), and the takes of ``n`` are among ``read``
+    (the others read other heads' logits); else None."""
+    between, frontier, tails = [stack], [stack], []
     while frontier:
         cur = frontier.pop()
         for g in cur.users:
             if not is_call(g, (operator.getitem,)):
-                return None
+                if cur is not stack:
+                    return None
+                tails.append(g)
+                continue
             picked = stacked(g.args[0], g.args[1])
             if picked is not None:
                 if picked[0] is n and g not in read:
@@ -259,7 +315,7 @@ def _stack_reads(stack: Node, n: Node, read: dict) -> Optional[list]:
                 return None
             between.append(g)
             frontier.append(g)
-    return between
+    return between, tails
 
 
 def _whole(stack: Node) -> tuple:

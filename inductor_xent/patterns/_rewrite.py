@@ -17,7 +17,7 @@ from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import SitePlan
 from ._site import NO_IGNORE
-from ._steps import CAST_METHODS, RowScale
+from ._steps import CAST_METHODS, RowScale, stacked
 
 NEG = (operator.neg, torch.neg, "neg")
 
@@ -141,16 +141,28 @@ def _return_logits(gm, e: Emitter, plan: SitePlan, out: Node, index: int) -> Non
     operands = tuple(None if n is None else _operand(gm, output, n) for n in (chain.hidden, chain.weight, chain.bias))
     records = gm.meta.setdefault(escape.META_KEY, (None, []))[1]
     for r in plan.returned:
-        value, steps = raw, []
-        for step in r.replayed:  # each reads the one before (its logits input)
-            with graph.inserting_before(output):
-                value = graph.node_copy(step.node, lambda a, src=step.src, prev=value: prev if a is src else a)
-            if step.escape() is not None:
-                steps.append(step.escape())
+        value = raw
+        for step in r.member_steps:  # each reads the one before (its logits input)
+            value = _copy_before(graph, output, step.node, step.src, value)
+        stacked = None
+        if r.stack:  # a copy of the stack with this head's tensor from the op (the other heads' in their turn)
+            stack, k = r.stack
+            value = _copy_before(graph, output, stack, r.walk.nodes[r.at], value)
+            dim, count = arg(stack, 1, "dim", 0), len(arg(stack, 0, "tensors"))
+            stacked = (dim % tval(stack).dim(), k, count)
+        for step in r.tail:
+            value = _copy_before(graph, output, step.node, step.src, value)
         output.replace_input_with(r.node, value)
+        steps = tuple(s.escape() for s in r.replayed if s.escape() is not None)
         for i, o in enumerate(output.args[0]):
             if o is value:
-                records.append(escape.Escape(i, *operands, plan.dtype, chain.weight_is_vd, tuple(steps)))
+                records.append(escape.Escape(i, *operands, plan.dtype, chain.weight_is_vd, steps, stacked))
+
+
+def _copy_before(graph, output: Node, node: Node, src: Node, value: Node) -> Node:
+    """A copy of ``node`` right before the graph's output, reading ``value`` where it read ``src``."""
+    with graph.inserting_before(output):
+        return graph.node_copy(node, lambda a: value if a is src else a)
 
 
 def _operand(gm, output: Node, node: Node) -> tuple[str, int]:
@@ -231,6 +243,29 @@ def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.L
     node.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, node), node, chain))
 
 
+def _unstack(graph, stack: Node, erased: set) -> None:
+    """The other heads' takes of ``stack`` (``torch.stack(heads, dim)[..., k]`` and the slices between)
+    read their own head's logits instead (``_steps.stacked``), and are erased: the stack, with this
+    head's tensor, dies even when another head's site declines (its take kept the whole stack, and
+    this head's GEMM with it)."""
+    frontier = [stack]
+    while frontier:
+        for g in list(frontier.pop().users):
+            if not is_call(g, (operator.getitem,)):
+                continue
+            picked = stacked(g.args[0], g.args[1])
+            if picked is None:  # a slice keeping every head: the takes are after it
+                frontier.append(g)
+                continue
+            e, value = Emitter(graph, g, g), picked[0]
+            for idx in picked[1]:
+                if any(i != slice(None) for i in idx):
+                    value = e.getitem(value, idx)
+            g.replace_all_uses_with(value)
+            graph.erase_node(g)
+            erased.add(g)
+
+
 def _erase_dead(gm, plan: SitePlan, erased: set, folded: list) -> int:
     """Erase what became dead (and only that: escaping logits stay for their other users); the
     bytes of [N, V]-sized buffers no longer computed."""
@@ -240,6 +275,15 @@ def _erase_dead(gm, plan: SitePlan, erased: set, folded: list) -> int:
     # equation first); each is erased only if nothing else uses it
     keep = {chain.hidden, chain.weight, chain.bias}
     candidates.extend(a for a in chain.matmul.all_input_nodes if a not in keep)
+    avoided = _erase(gm, chain, plan, candidates, erased)
+    stacks = [n for n in plan.owned if is_call(n, (torch.stack,)) and n not in erased and n.users]
+    for n in stacks:  # stacked heads whose other heads are still to come, or declined
+        _unstack(gm.graph, n, erased)
+    return avoided + (_erase(gm, chain, plan, candidates, erased) if stacks else 0)
+
+
+def _erase(gm, chain: _logits.LogitsChain, plan: SitePlan, candidates: list, erased: set) -> int:
+    """Erase the dead ``candidates``, each once its users are gone; the bytes of the [N, V]-sized ones."""
     avoided = 0
     n_rows_v = numel_hint(tval(chain.matmul))
     # recreated from the op's logits (the raw logits included): not avoided
