@@ -28,6 +28,8 @@
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
 #   topk    the top-k head (k = 64, log-probs at T = 0.7) and the kept-set log-probs at llama3-8b against cuBLAS's
 #           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides)
+#   mtp     multi-token prediction through one lm_head at llama3-8b, main head + 1 depth (bench_mtp.py):
+#           compile, the pass's one shared op, one op per site, cuBLAS (MTP_DEPTHS, MTP_ROUNDS override)
 #   bicost  INDUCTOR_XENT_BATCH_INVARIANT=1 against off at the qwen2.5-7b RL head, forward and step, 3 rounds
 #           (bench_batch_invariant.py), and 300 rows alone against inside the batch
 #   probe   scratch/bi_probe.py when present (an uncommitted experiment; carry "scratch")
@@ -140,6 +142,8 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
         topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick ${TOPK_METHODS:+--methods $TOPK_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/topk.log" | grep -E "^\||^target|rror" ;;
+        mtp)   timeout ${MTP_S:-200} python3 benchmarks/bench_mtp.py --quick --depths ${MTP_DEPTHS:-1} --rounds ${MTP_ROUNDS:-3} \
+                   --out "$OUT" 2>&1 | tee "$OUT/mtp.log" | grep -E "^\||^mtp|rror" ;;
         probe) timeout 120 python3 scratch/bi_probe.py 2>&1 | tee "$OUT/probe.log" | tail -60 ;;
         bicost) timeout ${BICOST_S:-150} python3 benchmarks/bench_batch_invariant.py --out "$OUT" 2>&1 \
                    | tee "$OUT/bicost.log" | tail -4 ;;

@@ -25,6 +25,7 @@ from . import (
     _plan,
     _report,
     _rewrite,
+    _shared,
     _unloop,
     argmax,
     distill,
@@ -76,6 +77,8 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
     if can_return:
         gm.meta[escape.META_KEY] = (len(output.args[0]), [])
+    sites.extend(_shared_heads(gm, candidates, allow_escaping_logits, can_return, strategy, store_budget, erased,
+                               reported))
     for node, idioms in candidates.items():
         if node in erased or node in reported:
             continue
@@ -100,6 +103,35 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
         gm.recompile()
     logs.graph(log, gm, "after")
     return sites
+
+
+def _shared_heads(gm: GraphModule, candidates: dict, allow_escaping: bool, can_return: bool, strategy, budget,
+                  erased: set, reported: set) -> list[SiteReport]:
+    """Sites over one lm_head weight (multi-token prediction's depths) rewritten as one op call
+    (``_shared.py``), before the sites are rewritten one by one; their heads join ``reported``."""
+    if len(candidates) < 2:
+        return []
+    found, seen = [], set()
+    for node, idioms in candidates.items():
+        if node in seen:
+            continue
+        try:  # pure; a failure leaves the sites to the one-by-one loop (which reports it)
+            a = _analyse(gm, node, idioms, candidates, allow_escaping, can_return)
+        except Exception:  # noqa: BLE001
+            continue
+        if a is not None and isinstance(a.outcome, SitePlan):
+            seen.update(h.loss for h in a.heads)
+            found.append(a)
+    out = []
+    for group, sink in _shared.groups(gm, [a.outcome for a in found]):
+        members = [found[i] for i in group]
+        plans = [a.outcome for a in members]
+        how = _shared.gradients(plans, strategy, budget)
+        for a, avoided in zip(members, _rewrite.rewrite_shared(gm, plans, sink, how, erased)):
+            a.outcome.shared = len(plans)
+            reported.update(h.loss for h in a.heads)
+            out.append(_counted(_report.fused(a.pattern, a.node, a.kinds, a.outcome, how, avoided)))
+    return out
 
 
 def _counted(site: SiteReport) -> SiteReport:

@@ -173,6 +173,21 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     return None
 
 
+def written_in(gm, order: dict, reads: dict, lo: int, hi: int) -> Optional[str]:
+    """A reason when a node from ``lo`` to ``hi`` (positions in ``order``) writes a tensor sharing storage
+    with one of ``reads`` (node -> what it is): an op moved from ``lo`` to ``hi`` would read it changed."""
+    storages = [(_storage(r), what) for r, what in reads.items()]
+    swapped = next((n for n in gm.graph.nodes if swaps_storage(n)), None)
+    for n in gm.graph.nodes:
+        if not lo <= order[n] <= hi:
+            continue
+        for w in writes(n):
+            what = reads.get(w) or _aliased(w, storages, swapped)
+            if what:
+                return f"{spelling(n)} writes {what} between the sites"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 def _aliased(w: Node, storages: list, swapped: Optional[Node]) -> Optional[str]:
     """What ``w`` may alias among ``storages`` ((storage, what) pairs), or None."""

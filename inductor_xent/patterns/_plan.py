@@ -84,6 +84,7 @@ class SitePlan:
     dtype: torch.dtype  # what the op computes from: the matmul's dtype (autocast's, when it casts)
     returned: list = field(default_factory=list)  # [Returned]: logits the op writes for the graph's output
     siblings: list = field(default_factory=list)  # (Head, LogitsChain) over other row slices: their own sites
+    shared: int = 0  # the sites one op serves together (this one among them): lm_head weight shared (_shared.py)
 
     @property
     def autocast(self) -> bool:

@@ -97,6 +97,8 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         chain.sliced and "slice pushed onto the hidden states",
         _stacked(chain) and "one of several stacked heads (torch.stack(heads)[:, k])",
         plan.siblings and "one op per row slice of the logits (the other slices are sites of their own)",
+        plan.shared and f"one log-probs op for the rows of {plan.shared} sites of this lm_head weight "
+                        "(the weight read once per tile)",
         not chain.weight_is_vd and "[D, V] weight",
         unlooped(plan) and f"a Python loop over {unlooped(plan)} folded into one op",
         plan.autocast and f"autocast: operands cast to {str(plan.dtype).replace('torch.', '')}",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import operator
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch.fx import Node
@@ -25,13 +26,22 @@ NEG = (operator.neg, torch.neg, "neg")
 _VIEWS = ("view", "reshape", "flatten", "contiguous", "transpose", "t", "permute", "squeeze", "unsqueeze")
 
 
-def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
-    """Replace ``plan``'s heads in ``gm``; the bytes of [N, V]-sized buffers it no longer computes.
-    Nodes erased are added to ``erased``."""
-    site, chain, graph = plan.first, plan.logits, gm.graph
-    for n in plan.hoist:  # e.g. targets computed after a z-loss logsumexp: move them up
-        plan.anchor.prepend(n)
-    e = Emitter(graph, plan.anchor, site.loss)
+class _Operands(NamedTuple):
+    """A site's op operands, emitted by ``_operands``: the hidden states through the logits' leading-dim
+    views (``hidden``; ``hidden2d`` flattened and cast), the weight ``[V, D]``, the bias, the targets
+    flattened, and what shapes each head's value as its node (``all_ops``, ``d``)."""
+
+    hidden: Node
+    hidden2d: Node
+    weight: Node
+    bias: Optional[Node]
+    target1d: Optional[Node]
+    all_ops: list
+    d: Any
+
+
+def _operands(e: Emitter, plan: SitePlan) -> _Operands:
+    chain, graph = plan.logits, e.graph
     # the hidden states go through the logits' leading-dim views with D in place of V
     d = chain.vd[1]
     if not isinstance(d, int):  # a symbolic D (dynamic=True on a weight input): read it in the graph
@@ -50,8 +60,20 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         v = chain.vd[0] if isinstance(chain.vd[0], int) else e.method("size", weight, 0)
         bias = (e.method("new_full", weight, (v,), chain.bias_shift) if bias is None
                 else e.call(operator.add, bias, chain.bias_shift))
-    target, ii = plan.target, int(plan.ignore_index)
+    target = plan.target
     target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
+    return _Operands(hidden, hidden2d, weight, bias, target1d, all_ops, d)
+
+
+def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
+    """Replace ``plan``'s heads in ``gm``; the bytes of [N, V]-sized buffers it no longer computes.
+    Nodes erased are added to ``erased``."""
+    site, chain, graph = plan.first, plan.logits, gm.graph
+    for n in plan.hoist:  # e.g. targets computed after a z-loss logsumexp: move them up
+        plan.anchor.prepend(n)
+    e = Emitter(graph, plan.anchor, site.loss)
+    hidden, hidden2d, weight, bias, target1d, all_ops, d = ops_in = _operands(e, plan)
+    ii = int(plan.ignore_index)
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     folded: list = []  # negations of a head that the op's output replaces instead
     for h, c in plan.heads:  # top-k heads: one top-k op each (topk.py)
@@ -87,10 +109,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             out = e.call(ops.LOGPROB_FORWARD, *lp_args)
         item = functools.cache(lambda i: _dtensor.local(e, e.getitem(out, i)))
         lp = item(0)
-        # the cross-entropy is minus the log-probs, 0 on ignored rows (the op ignores none: the entropy
-        # and argmax of every row are the user's)
-        masked = lp if ii == NO_IGNORE else e.call(torch.where, e.call(operator.ne, target1d, ii), lp, 0.0)
-        values = {"log_probs": (lambda: lp, 1), "cross_entropy": (lambda: masked, -1),
+        values = {**_log_prob_values(e, lp, target1d, ii),
                   "entropy": (lambda: item(1), 1), "argmax": (lambda: item(2), 1)}
         lse = item(3) if plan.lse_users else None
     else:
@@ -98,19 +117,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
                      0.0, *write)
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
-
-    for h, c in plan.main_heads:
-        value, sign = values[h.kind]
-        value = value()
-        if h.kind == "cross_entropy" and h.reduction != "none":
-            if h.reduction == "mean":
-                count = e.method("sum", e.call(operator.ne, target1d, ii))
-                value = e.call(operator.truediv, e.method("sum", value), count)
-            else:
-                value = e.method("sum", value)
-        else:
-            value = _shaped(e, h, c, value, hidden, all_ops, d)
-        _place(e, h.loss, value, (sign < 0) != h.negate, chain, folded)
+    _place_heads(e, plan, values, ops_in, ii, folded)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
     # (shaped like the node each reads: the hidden states through the same views, less D)
@@ -124,6 +131,59 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     if plan.returned:
         _return_logits(gm, e, plan, out, 3)
     return _erase_dead(gm, plan, erased, folded)
+
+
+def rewrite_shared(gm, plans: list, sink: list, how: strategy.GradientPlan, erased: set) -> list[int]:
+    """Replace the heads of ``plans`` (sites over one lm_head weight: multi-token-prediction depths, a
+    head shared by several hidden states; ``_shared.groups``) with one log-probs op over all their
+    rows, placed before the last site's first replaced node, and move ``sink`` (what read the earlier
+    sites' values before that point) after it; each site's bytes of [N, V]-sized buffers no longer
+    computed."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    last = max(plans, key=lambda p: order[p.anchor])
+    e = Emitter(graph, last.anchor, last.first.loss)
+    operands = [_operands(e, p) for p in plans]
+    chain, ii = last.logits, int(last.ignore_index)
+    scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
+    hidden = e.call(torch.cat, [o.hidden2d for o in operands], 0)
+    target = e.call(torch.cat, [o.target1d for o in operands], 0)
+    op = ops.LOGPROB_STORE if how.strategy == "store" else ops.LOGPROB_FORWARD
+    # the op skips the ignored rows (0 there), each site's cross-entropy is minus its rows' log-probs
+    out = e.call(op, hidden, operands[0].weight, operands[0].bias, target, ii, scale, cap, False, False,
+                 *((0, how.budget) if how.strategy == "store" else ()))
+    rows = e.call(torch.split, e.getitem(out, 0), [e.method("size", o.hidden2d, 0) for o in operands])
+    folded = [[] for _ in plans]
+    for k, (plan, ops_k) in enumerate(zip(plans, operands)):
+        _place_heads(e, plan, _log_prob_values(e, e.getitem(rows, k), ops_k.target1d, ii), ops_k, ii, folded[k])
+    for n in sink:  # in graph order, after what the op's values were emitted as
+        last.anchor.prepend(n)
+    return [_erase_dead(gm, plan, erased, f) for plan, f in zip(plans, folded)]
+
+
+def _log_prob_values(e: Emitter, lp: Node, target1d: Optional[Node], ii: int) -> dict:
+    """The log-probs and cross-entropy heads' per-row values (value thunk, sign) from the op's log-probs:
+    the cross-entropy is minus them, 0 on ignored rows."""
+    masked = functools.cache(lambda: lp if ii == NO_IGNORE else
+                             e.call(torch.where, e.call(operator.ne, target1d, ii), lp, 0.0))
+    return {"log_probs": (lambda: lp, 1), "cross_entropy": (masked, -1)}
+
+
+def _place_heads(e: Emitter, plan: SitePlan, values: dict, ops_in: _Operands, ii: int, folded: list) -> None:
+    """Each of ``plan``'s main heads reads its value (``values``: kind -> (thunk, sign)), reduced as the
+    head asks or shaped as its node."""
+    for h, c in plan.main_heads:
+        value, sign = values[h.kind]
+        value = value()
+        if h.kind == "cross_entropy" and h.reduction != "none":
+            if h.reduction == "mean":
+                count = e.method("sum", e.call(operator.ne, ops_in.target1d, ii))
+                value = e.call(operator.truediv, e.method("sum", value), count)
+            else:
+                value = e.method("sum", value)
+        else:
+            value = _shaped(e, h, c, value, ops_in.hidden, ops_in.all_ops, ops_in.d)
+        _place(e, h.loss, value, (sign < 0) != h.negate, plan.logits, folded)
 
 
 def _return_logits(gm, e: Emitter, plan: SitePlan, out: Node, index: int) -> None:
