@@ -174,6 +174,21 @@ def rel_err(x, ref):
 # ---------------------------------------------------------------------------------------------
 # measuring
 # ---------------------------------------------------------------------------------------------
+def head_args(ap: argparse.ArgumentParser, shape: str = "8192x4096x128256") -> None:
+    """The options every single-head benchmark script takes (bench_topk.py, bench_mtp.py)."""
+    ap.add_argument("--shape", default=shape)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--methods", default=None)
+    ap.add_argument("--out", default=None)
+
+
+def head_shape(args) -> tuple[int, int, int]:
+    """(N, D, V) of ``--shape``; tiny on ``--device cpu`` (a dry run)."""
+    n, d, v = (int(x) for x in args.shape.split("x"))
+    return (min(n, 64), min(d, 32), min(v, 500)) if args.device == "cpu" else (n, d, v)
+
+
 def bench_ms(fn, quick, long):
     from triton.testing import do_bench
 

@@ -72,17 +72,11 @@ def ms_of(device, quick):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="8192x4096x128256")
+    bk.head_args(ap)
     ap.add_argument("--depths", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--methods", default=None)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    n, d, v = (int(x) for x in args.shape.split("x"))
-    if args.device == "cpu":
-        n, d, v = min(n, 64), min(d, 32), min(v, 500)
+    n, d, v = bk.head_shape(args)
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
     hs = [(torch.randn(n, d, generator=g) / d**0.25).to(args.device, dtype) for _ in range(args.depths + 1)]

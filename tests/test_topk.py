@@ -486,3 +486,58 @@ def test_topk_under_autocast_matches_eager_autocast():
         for wn, a, s, e in zip(("hidden", "weight"), _grads(ours.values, lv, g), _grads(same.values, le, g), exact_g):
             assert a.dtype == torch.float32, (name, wn)
             assert_within_torch_error(a, s, e, what=f"{name} grad {wn}")
+
+
+# ---------------------------------------------------------------------------------------------
+# row_topk: the block-maxima prefilter (on CUDA by default; forced here on CPU)
+# ---------------------------------------------------------------------------------------------
+def _row_cases():
+    g = torch.Generator().manual_seed(11)
+    n, v = 24, 40 * topk.BLOCK + 37  # a partial last block
+    normal = torch.randn(n, v, generator=g).bfloat16()
+    ties = torch.randint(0, 4, (n, v), generator=g).float()  # every value tied hundreds of times
+    clustered = torch.randn(n, v, generator=g)
+    clustered[:, 2 * topk.BLOCK: 3 * topk.BLOCK] += 10  # all of the top-k in one block
+    edge = torch.randn(n, v, generator=g)
+    edge[:, -30:] += 10  # all of the top-k in the partial block
+    special = torch.randn(n, v, generator=g)
+    special[0, 5], special[1, :] = float("nan"), float("-inf")
+    special[2, 7] = float("inf")
+    return {"normal_bf16": normal, "ties": ties, "clustered": clustered, "partial_block": edge, "special": special}
+
+
+@pytest.mark.parametrize("k", [1, 2, 10])
+@pytest.mark.parametrize("case", sorted(_row_cases()))
+def test_row_topk_by_blocks_is_torch_topk(case, k):
+    """The prefilter's values are torch.topk's exactly (NaN first, ties, a top-k inside one block or the
+    partial one), its columns hold them, and they are distinct columns of the row."""
+    z = _row_cases()[case]
+    assert 4 * k * topk.BLOCK <= z.shape[1], "the blocks' path, not the fallback"
+    values, columns = topk.row_topk(z, k, by_blocks=True)
+    want = torch.topk(z, k, dim=-1)
+    torch.testing.assert_close(values, want.values, equal_nan=True, rtol=0, atol=0)
+    torch.testing.assert_close(z.gather(1, columns), values, equal_nan=True, rtol=0, atol=0)
+    assert (columns.sort(-1).values.diff(dim=-1) > 0).all(), "a column twice"
+
+
+def test_row_topk_falls_back_when_blocks_read_most_of_the_row():
+    z = torch.randn(3, 4 * topk.BLOCK)
+    for k in (2, 4):  # 2 blocks of 4 read half the row; 4 > 4 blocks' quarter
+        values, columns = topk.row_topk(z, k, by_blocks=True)
+        want = torch.topk(z, k, dim=-1)
+        assert torch.equal(values, want.values) and torch.equal(columns, want.indices)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (row_topk's default path there)")
+@pytest.mark.parametrize("k", [1, 64, 256])
+def test_row_topk_cuda_default_is_torch_topk(k):
+    """On CUDA, llama3's vocabulary in bf16 (and heavy ties: logits rounded to a coarse grid): the block
+    path's values are torch.topk's exactly, its columns hold them."""
+    g = torch.Generator().manual_seed(k)
+    z = (torch.randn(512, 128256, generator=g) * 3).bfloat16().cuda()
+    for logits in (z, (z * 4).round().bfloat16()):
+        values, columns = topk.row_topk(logits, k)
+        want = torch.topk(logits, k, dim=-1)
+        assert torch.equal(values, want.values)
+        assert torch.equal(logits.gather(1, columns), values)
