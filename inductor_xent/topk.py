@@ -60,12 +60,24 @@ class TopK(NamedTuple):
     indices: Tensor
 
 
-def row_topk(z: Tensor, k: int, by_blocks: Optional[bool] = None) -> tuple[Tensor, Tensor]:
+def by_blocks(z: Tensor, k: int) -> bool:
+    """Whether ``row_topk`` reads block maxima by default: on CUDA, where the k blocks read at most a
+    quarter of the row."""
+    return z.is_cuda and _blocks_fit(z.shape[-1], k)
+
+
+def _blocks_fit(v: int, k: int) -> bool:
+    return k <= v // BLOCK and 4 * k * BLOCK <= v
+
+
+def row_topk(z: Tensor, k: int, blocks: Optional[bool] = None, maxima: Optional[Tensor] = None,
+             ) -> tuple[Tensor, Tensor]:
     """``torch.topk(z, k, dim=-1)`` of a 2-D ``z``: the same values, and columns holding them (among
     equal values any of them, as torch.topk documents no order among ties).
 
-    ``by_blocks`` (default: on CUDA, where ``torch.topk`` of a 128k-column row costs 65 % of the logits
-    GEMM) reads the maxima of blocks of ``BLOCK`` columns, takes the ``k`` blocks with the largest
+    ``blocks`` (default ``by_blocks``: on CUDA, where ``torch.topk`` of a 128k-column row costs 65 % of
+    the logits GEMM) reads the maxima of blocks of ``BLOCK`` columns (``maxima``, when the caller has
+    them: ``block_stats``), takes the ``k`` blocks with the largest
     maxima and ``torch.topk`` of their ``k·BLOCK`` values (and of the last, partial block's). Those
     blocks hold the k largest values: a block whose maximum ranks below k among the blocks' has k
     blocks at least as large, so k values at least as large. NaN counts as the largest value, as in
@@ -73,14 +85,12 @@ def row_topk(z: Tensor, k: int, by_blocks: Optional[bool] = None) -> tuple[Tenso
     quarter of it."""
     n, v = z.shape
     whole = v // BLOCK
-    if by_blocks is None:
-        by_blocks = z.is_cuda
-    if not by_blocks or k > whole or 4 * k * BLOCK > v:
+    if not (by_blocks(z, k) if blocks is None else blocks and _blocks_fit(v, k)):
         top = torch.topk(z, k, dim=-1)
         return top.values, top.indices
-    blocks = z[:, : whole * BLOCK].unflatten(1, (whole, BLOCK))
-    picked = torch.topk(blocks.amax(-1), k, dim=-1).indices  # (n, k) block numbers
-    candidates = blocks.gather(1, picked[..., None].expand(n, k, BLOCK)).flatten(1)
+    tiles = z[:, : whole * BLOCK].unflatten(1, (whole, BLOCK))
+    picked = torch.topk(tiles.amax(-1) if maxima is None else maxima, k, dim=-1).indices  # (n, k) block numbers
+    candidates = tiles.gather(1, picked[..., None].expand(n, k, BLOCK)).flatten(1)
     if whole * BLOCK < v:  # the partial block: always a candidate
         candidates = torch.cat([candidates, z[:, whole * BLOCK:]], 1)
     values, at = torch.topk(candidates, k, dim=-1)
@@ -90,9 +100,9 @@ def row_topk(z: Tensor, k: int, by_blocks: Optional[bool] = None) -> tuple[Tenso
     return values, columns
 
 
-def chunk_rows(n: int, v: int, device: torch.device) -> int:
+def chunk_rows(n: int, v: int, device: torch.device, per_logit: int = BYTES_PER_LOGIT) -> int:
     budget = CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
-    return max(1, min(n, budget // max(1, v * BYTES_PER_LOGIT)))
+    return max(1, min(n, budget // max(1, v * per_logit)))
 
 
 def _scaled(z: Tensor, logit_scale: float, softcap: Optional[float]) -> tuple[Tensor, Optional[Tensor]]:
@@ -112,7 +122,41 @@ def _lse_of(z: Tensor, logit_scale: float, softcap: Optional[float]) -> Tensor:
     return torch.logsumexp(_scaled(z, logit_scale, softcap)[0], dim=-1)
 
 
-_fused_lse = None
+def block_stats(z: Tensor, logit_scale: float, softcap: Optional[float], log_probs: bool,
+                ) -> tuple[Tensor, Optional[Tensor]]:
+    """One pass over ``z`` (n, v) for ``row_topk`` and the log-probs: the maxima of its whole blocks of
+    ``BLOCK`` columns (n, v // BLOCK) in z's dtype, and with ``log_probs`` each row's logsumexp of the
+    scaled (and capped) logits, from each block's maximum and sum of exponentials (compiled on CUDA
+    into one kernel reading the logits once: ``_stats_for``)."""
+    n, v = z.shape
+    whole = v // BLOCK
+    tiles = z[:, : whole * BLOCK].unflatten(1, (whole, BLOCK))
+    top = tiles.amax(-1)
+    if not log_probs:
+        return top, None
+    # u is increasing in z: a block's largest u is u of its largest z. An infinite maximum shifts by 0
+    # (a block of -inf sums to 0 there, so contributes -inf; one holding +inf gives +inf)
+    m = _scaled(top, logit_scale, softcap)[0]
+    shift = torch.where(torch.isinf(m), 0.0, m)
+    parts = shift + torch.log(torch.exp(_scaled(tiles, logit_scale, softcap)[0] - shift[..., None]).sum(-1))
+    if whole * BLOCK < v:  # the partial last block
+        rest = _scaled(z[:, whole * BLOCK:], logit_scale, softcap)[0]
+        parts = torch.cat([parts, torch.logsumexp(rest, -1, keepdim=True)], 1)
+    return top, torch.logsumexp(parts, -1)
+
+
+_fused_lse = _fused_stats = None
+
+
+def _stats_for(device: torch.device):
+    """``block_stats``, compiled once by Inductor on CUDA (a persistent reduction per block); eager
+    elsewhere."""
+    global _fused_stats
+    if device.type != "cuda":
+        return block_stats
+    if _fused_stats is None:
+        _fused_stats = torch.compile(block_stats, fullgraph=True)
+    return _fused_stats
 
 
 def _lse_for(device: torch.device):
@@ -132,18 +176,24 @@ def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional
     values = hidden.new_empty((n, k), dtype=cd)
     indices = hidden.new_empty((n, k), dtype=torch.long)
     lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
-    step = chunk_rows(n, v, hidden.device)
-    lse_fn = _lse_for(hidden.device)
+    # the forward keeps only the chunk's logits (and the top-k's scratch over a fraction of them)
+    step = chunk_rows(n, v, hidden.device, hidden.element_size() + 2)
+    lse_fn, stats_fn = _lse_for(hidden.device), _stats_for(hidden.device)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         z = F.linear(hidden[sl], weight, bias)
         # the scale (positive), softcap and log-softmax are increasing in z, and the compute dtype holds
         # every value of z apart: the top-k of the raw logits picks the columns of eager's top-k of any
         # of them, in z's own dtype (half the bytes of an fp32 copy)
-        top_values, top_indices = row_topk(z, k)
+        if by_blocks(z, k):  # the block maxima and the logsumexp in one pass over the logits
+            maxima, row_lse = stats_fn(z, logit_scale, softcap, log_probs)
+            top_values, top_indices = row_topk(z, k, True, maxima)
+        else:
+            top_values, top_indices = row_topk(z, k, False)
+            row_lse = lse_fn(z, logit_scale, softcap) if log_probs else None
         values[sl], indices[sl] = _scaled(top_values, logit_scale, softcap)[0], top_indices
         if log_probs:
-            lse[sl] = lse_fn(z, logit_scale, softcap)
+            lse[sl] = row_lse
             values[sl] -= lse[sl, None]
     return values, indices, lse
 

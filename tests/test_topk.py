@@ -513,7 +513,7 @@ def test_row_topk_by_blocks_is_torch_topk(case, k):
     partial one), its columns hold them, and they are distinct columns of the row."""
     z = _row_cases()[case]
     assert 4 * k * topk.BLOCK <= z.shape[1], "the blocks' path, not the fallback"
-    values, columns = topk.row_topk(z, k, by_blocks=True)
+    values, columns = topk.row_topk(z, k, blocks=True)
     want = torch.topk(z, k, dim=-1)
     torch.testing.assert_close(values, want.values, equal_nan=True, rtol=0, atol=0)
     torch.testing.assert_close(z.gather(1, columns), values, equal_nan=True, rtol=0, atol=0)
@@ -523,7 +523,7 @@ def test_row_topk_by_blocks_is_torch_topk(case, k):
 def test_row_topk_falls_back_when_blocks_read_most_of_the_row():
     z = torch.randn(3, 4 * topk.BLOCK)
     for k in (2, 4):  # 2 blocks of 4 read half the row; 4 > 4 blocks' quarter
-        values, columns = topk.row_topk(z, k, by_blocks=True)
+        values, columns = topk.row_topk(z, k, blocks=True)
         want = torch.topk(z, k, dim=-1)
         assert torch.equal(values, want.values) and torch.equal(columns, want.indices)
 
@@ -541,3 +541,43 @@ def test_row_topk_cuda_default_is_torch_topk(k):
         want = torch.topk(logits, k, dim=-1)
         assert torch.equal(values, want.values)
         assert torch.equal(logits.gather(1, columns), values)
+
+
+@pytest.mark.parametrize("scale, cap", [(1.0, None), (1 / 0.7, None), (0.5, 3.0)])
+@pytest.mark.parametrize("case", ["normal_bf16", "partial_block", "special"])
+def test_block_stats_are_the_maxima_and_logsumexp(case, scale, cap):
+    """block_stats' one pass: each whole block's maximum exactly, and each row's logsumexp of the scaled
+    (capped) logits within rounding of torch's over the whole row (-inf and +inf rows included)."""
+    z = _row_cases()[case]
+    maxima, lse = topk.block_stats(z, scale, cap, True)
+    whole = z.shape[1] // topk.BLOCK
+    want_max = z[:, : whole * topk.BLOCK].unflatten(1, (whole, topk.BLOCK)).amax(-1)
+    torch.testing.assert_close(maxima, want_max, equal_nan=True, rtol=0, atol=0)
+    u = z.double() * scale if cap is None else torch.tanh(z.double() * scale / cap) * cap
+    torch.testing.assert_close(lse.double(), torch.logsumexp(u, -1), equal_nan=True, rtol=1e-6, atol=1e-5)
+    assert topk.block_stats(z, scale, cap, False)[1] is None
+
+
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_linear_topk_through_blocks_matches_eager(log_probs, monkeypatch):
+    """The forward's block path (the CUDA default) forced on CPU: values as eager's top-k of the scaled
+    log-probs, columns holding them; gradients as eager's."""
+    monkeypatch.setattr(topk, "by_blocks", lambda z, k: topk._blocks_fit(z.shape[-1], k))
+    g = torch.Generator().manual_seed(4)
+    n, d, v, k = 40, 16, 20 * topk.BLOCK + 5, 4
+    h, w = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
+    up = torch.randn(n, k, generator=g)
+    outs = []
+    for dtype in (torch.float64, torch.float32):
+        lv = _leaves((h, w), dtype)
+        if dtype == torch.float64:
+            u = F.linear(*lv) / 0.7
+            ref = torch.topk(F.log_softmax(u, -1) if log_probs else u, k)
+        else:
+            ref = inductor_xent.linear_topk(lv[0], lv[1], k, log_probs=log_probs, temperature=0.7)
+        outs.append((ref, _grads(ref.values, lv, up.to(dtype))))
+    (exact, exact_grads), (ours, our_grads) = outs
+    assert torch.equal(ours.indices, exact.indices)
+    torch.testing.assert_close(ours.values.double(), exact.values, rtol=1e-5, atol=1e-5)
+    for a, e in zip(our_grads, exact_grads):
+        torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
