@@ -15,7 +15,17 @@ from torch._dynamo.utils import counters
 import inductor_xent
 from inductor_xent import ops
 
-from .helpers import D, Recorder, V, assert_within_torch_error, fused_ops
+from .helpers import (
+    D,
+    Recorder,
+    V,
+    assert_within_torch_error,
+    autocast_exact,
+    autocast_loss_and_grads,
+    autocast_representable,
+    fused_ops,
+    leaves,
+)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -144,6 +154,27 @@ def test_mtp_fresh_inputs_and_all_ignored_depth(seed):
     ins["y"][:, 3:] = -100
     ours, same = _run(_mtp, ins, Recorder()), _run(_mtp, ins)
     torch.testing.assert_close(ours[0], same[0], equal_nan=True)
+
+
+def test_mtp_under_autocast_and_through_install():
+    """bf16 autocast around the compiled loss (HF Trainer's bf16=True, fp32 parameters): the sites still
+    share one op, loss and gradients within torch's error of float64 (eager autocast the yardstick, inputs
+    that autocast casts without rounding); the same through ``install()`` and ``backend="inductor"``."""
+    inputs = autocast_representable(_inputs(), torch.bfloat16)
+    same, same_g = autocast_loss_and_grads(_mtp, leaves(inputs), autocast=torch.bfloat16)
+    exact, exact_g = autocast_exact(_mtp, inputs)
+    rec = Recorder()
+    for backend in (rec, "inductor"):
+        if backend == "inductor":  # install(): the pass in front of Inductor's compile_fx
+            torch._dynamo.reset()
+            counters.clear()
+            inductor_xent.install()
+        ours, ours_g = autocast_loss_and_grads(_mtp, leaves(inputs), autocast=torch.bfloat16, backend=backend)
+        assert_within_torch_error(ours, same, exact, floor=torch.finfo(torch.bfloat16).eps / 8, what="mtp loss")
+        for k in same_g:
+            assert_within_torch_error(ours_g[k], same_g[k], exact_g[k], what=f"mtp grad {k}")
+        assert counters["inductor_xent"]["sites_fused"] == 3
+    assert fused_ops(rec.after[0]) == 1
 
 
 CUDA = torch.cuda.is_available()
