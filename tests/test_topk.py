@@ -6,6 +6,8 @@ errors; on a GPU the same in bf16 (cuda-marked)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -300,7 +302,22 @@ def _sigmoid_topk(x, W, y):
     return top.values.sum(), top.indices
 
 
+def _hf_top_p(x, W, y, top_p=0.8, keep_last=True):
+    """Nucleus sampling replayed as HF's TopPLogitsWarper spells it (at T = 0.7), then the log-probs of
+    the sampled ids over the kept set."""
+    u = F.linear(x, W).float() / 0.7
+    sorted_logits, sorted_indices = torch.sort(u, descending=False)
+    cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    sorted_indices_to_remove = cumulative_probs <= (1 - top_p)
+    if keep_last:
+        sorted_indices_to_remove[..., -1:] = 0
+    indices_to_remove = sorted_indices_to_remove.scatter(2, sorted_indices, sorted_indices_to_remove)
+    lp = u.masked_fill(indices_to_remove, -float("inf")).log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+    return torch.where(torch.isfinite(lp), lp, 0.0).sum(), lp.detach()
+
+
 SPELLINGS = {"log_probs": (_topk_log_probs, "top-k op (k=6, of the log-probs)"),
+             "hf_top_p": (_hf_top_p, "nucleus op (top_p=0.8) for the log-probs over the kept set"),
              "loss_and_tempered_topk": (_loss_and_tempered_topk, "top-k op (k=5, of the log-probs)"),
              "sigmoid_topk": (_sigmoid_topk, "top-k op (k=5, of the logits)"),
              "kept_masked_fill": (_kept_masked_fill, "top-k op (k=400) for the log-probs over the kept set"),
@@ -337,7 +354,7 @@ def test_topk_spellings_fuse_with_eager_results(name):
     lv, le = _leaves((h, w)), _leaves((h, w))
     got, want = compiled(lv[0], lv[1], y), fn(le[0], le[1], y)
     assert [x.fused for x in sites] == [True]
-    assert any(topk.TOPK in [n.target for n in g.graph.nodes] for g in aot.fw_graphs)
+    assert any({topk.TOPK, topk.NUCLEUS} & {n.target for n in g.graph.nodes} for g in aot.fw_graphs)
     assert_all_smaller(aot.fw_graphs + aot.bw_graphs, N * V)
     for a, b in zip(got, want):
         if not a.is_floating_point():  # sorted=False: eager's order is unspecified, ours sorted
@@ -581,3 +598,46 @@ def test_linear_topk_through_blocks_matches_eager(log_probs, monkeypatch):
     torch.testing.assert_close(ours.values.double(), exact.values, rtol=1e-5, atol=1e-5)
     for a, e in zip(our_grads, exact_grads):
         torch.testing.assert_close(a.double(), e, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_hf_top_p_replay_fuses_with_eager_log_probs(keep_last):
+    """HF's top-p warper over the logits at T = 0.7, ids sampled from eager's kept set (and a few from
+    outside it: −inf): the nucleus op's log-probs and gradients as eager's, the −inf at the same rows."""
+    h, w, _, y = _inputs(seed=8)
+    with torch.no_grad():  # ids the rollout could have sampled: from eager's nucleus distribution
+        u = F.linear(h, w).float() / 0.7
+        s, order = torch.sort(u, descending=True)
+        p = s.softmax(-1)
+        kept = (p.cumsum(-1) - p) < 0.8
+        probs = torch.zeros_like(u).scatter(-1, order, torch.where(kept, p, 0.0))
+        y = torch.multinomial(probs.flatten(0, 1), 1, generator=torch.Generator().manual_seed(2)).view(y.shape)
+        y[0, :3] = order[0, :3, -1]  # the smallest logits: outside the kept set
+    fn = functools.partial(_hf_top_p, keep_last=keep_last)
+    report = inductor_xent.explain(fn, h, w, y)
+    assert report.fused_count == 1 and "nucleus op (top_p=0.8)" in report.sites[0].reason, report
+    lv, le = _leaves((h, w)), _leaves((h, w))
+    got, want = torch.compile(fn, backend="inductor_xent")(lv[0], lv[1], y), fn(le[0], le[1], y)
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1])) and torch.isinf(want[1]).sum() == 3
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(torch.autograd.grad(got[0], lv[:2]), torch.autograd.grad(want[0], le[:2])):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_top_p_spellings_the_op_does_not_run_are_left_alone():
+    """``min_tokens_to_keep=2`` (``[..., -2:] = 0``) and a sort in descending order: no site, eager's
+    results."""
+    def keep_two(x, W, y):
+        u = F.linear(x, W)
+        s, i = torch.sort(u, descending=False)
+        remove = s.softmax(dim=-1).cumsum(dim=-1) <= 0.2
+        remove[..., -2:] = 0
+        return u.masked_fill(remove.scatter(2, i, remove), -float("inf")).log_softmax(-1).gather(-1, y[..., None])
+
+    h, w, _, y = _inputs(seed=9)
+    y = y.clamp(min=0)
+    report = inductor_xent.explain(keep_two, h, w, y)
+    assert report.fused_count == 0, report
+    torch.testing.assert_close(torch.compile(keep_two, backend="inductor_xent")(h, w, y), keep_two(h, w, y))

@@ -153,8 +153,11 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     storages = [(_storage(r), what, start[r]) for r, what in reads.items()]
     saved_storages = [(_storage(r), reads[r], 0) for r in saved if r is not None]
     swapped = next((n for n in gm.graph.nodes if swaps_storage(n)), None)
+    # a write an idiom took in as part of its spelling (HF's top-p ``removed[..., -1:] = 0``): to a tensor
+    # only the heads compute and read, replaced with them
+    own = {m for h in heads for m in h.consumed}
     for n in gm.graph.nodes:
-        if order[n] < lo:
+        if order[n] < lo or (n in own and writes(n) and all(w in own for w in writes(n))):
             continue
         between = order[n] <= hi
         for w in writes(n):

@@ -82,9 +82,13 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         if h.kind == "topk":
             _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d))
         elif h.kind == "kept":
-            out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, *own, False)
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
-            rows = e.call(topk.kept_from_top, e.getitem(out, 0), e.getitem(out, 1), t1d, int(h.ignore_index))
+            if h.top_p < 1.0:  # a nucleus kept set
+                rows = e.getitem(e.call(topk.NUCLEUS, hidden2d, weight, bias, t1d, None, float(h.top_p), *own,
+                                        int(h.ignore_index)), 0)
+            else:
+                out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, *own, False)
+                rows = e.call(topk.kept_from_top, e.getitem(out, 0), e.getitem(out, 1), t1d, int(h.ignore_index))
             _place(e, h.loss, _shaped(e, h, c, rows, hidden, all_ops, d), h.negate, chain, folded)
     if not plan.main_heads:
         return _erase_dead(gm, plan, erased, folded)

@@ -34,7 +34,8 @@ class Head:
     ``z[target] − lse``; ``entropy`` ``−Σ p·log p``; ``argmax`` the first maximal column; ``topk``
     (``loss`` the ``torch.topk`` node, ``aux`` its item reads) the ``k`` largest ``normalised``
     values and their columns (the top-k op, next to the site's other op if any); ``kept`` the
-    log-prob of the target over the row's top-k kept set (``loss`` the gather, as ``log_probs``). Per-row
+    log-prob of the target over the row's top-k or nucleus (top-p) kept set (``loss`` the gather, as
+    ``log_probs``). Per-row
     values are viewed as ``shape_ref`` (then ``squeeze(-1)`` when ``drop_last``), or without one as
     the rows of ``logits`` (with a trailing 1 when ``keepdim``).
     """
@@ -54,8 +55,9 @@ class Head:
     needs_lse_of: tuple = ()  # logsumexp nodes the idiom relies on: each must map to the op's lse
     kind: HeadKind = "cross_entropy"
     keepdim: bool = False
-    k: int = 0  # topk: how many per row
+    k: int = 0  # topk: how many per row; kept: the top-k kept set's (0: none)
     normalised: str = ""  # topk: of the "logits", "log_probs" or "probs"
+    top_p: float = 1.0  # kept: the nucleus kept set's mass (1: none)
 
 
 @dataclass

@@ -13,7 +13,9 @@ mixture-of-experts router's) is no candidate.
 The kept-set log-probs of top-k sampling replayed (``u.masked_fill(u < torch.topk(u, k).values[...,
 -1:], -inf).log_softmax(-1).gather(-1, y[..., None])``, issue 25 item 3) are a ``kept`` head: the
 top-k op and ``topk.kept_from_top`` on its values (eager keeps every column tied with the k-th, the
-op the k that torch.topk returns).
+op the k that torch.topk returns). So are those of nucleus (top-p) sampling replayed, as HF's
+``TopPLogitsWarper`` spells them (``_nucleus_set``): a ``kept`` head with ``top_p``, the nucleus op
+(``inductor_xent::linear_nucleus_logprob``).
 """
 
 from __future__ import annotations
@@ -30,10 +32,15 @@ from ._site import Decline, Head, log_probs_of, probs_of
 from ._steps import MATCHERS
 
 PATTERN = "topk"
-TARGETS = (torch.topk, "topk")
+SORT = (torch.sort, "sort")
+TARGETS = (torch.topk, "topk", *SORT)
 LT = (operator.lt, torch.lt, "lt")
 GT = (operator.gt, torch.gt, "gt")
+LE = (operator.le, torch.le, "le")
 MASKED_FILL = (torch.masked_fill, "masked_fill")
+SOFTMAX = (torch.softmax, torch.nn.functional.softmax, "softmax")
+CUMSUM = (torch.cumsum, "cumsum")
+SCATTER = (torch.scatter, "scatter")
 # fewer columns than this are no vocabulary: a mixture-of-experts router's top-k over its experts
 # (Mixtral's 8, DeepSeek-V3's 256, Qwen3-Next's 512: softmax(gate(h)).topk(k)) or a classifier's,
 # left alone (not a candidate: nothing to report)
@@ -41,6 +48,8 @@ MIN_VOCAB = 1024
 
 
 def match(node: Node):
+    if is_call(node, SORT):
+        return _nucleus_set(node)
     src, k, dim = arg(node, 0, "input"), arg(node, 1, "k"), arg(node, 2, "dim", -1)
     largest, t = arg(node, 3, "largest", True), tval(src)
     if t is None or t.dim() < 2 or not isinstance(dim, int) or norm_dim(dim, t.dim()) != t.dim() - 1:
@@ -134,3 +143,72 @@ def _kept_set(node: Node, u: Node, items: list, k: int):
         return None
     return replace(head, pattern=PATTERN, logits=u, kind="kept", k=k, normalised="logits",
                    consumed=(node, *items, *found[1], cond, masked, *head.consumed))
+
+
+def _nucleus_set(node: Node):
+    """The kept-set log-probs of nucleus (top-p) sampling replayed, as HF's ``TopPLogitsWarper`` spells
+    them (``min_tokens_to_keep=1``, the setitem optional)::
+
+        sorted_logits, sorted_indices = torch.sort(u, descending=False)
+        cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_indices_to_remove = cumulative_probs <= (1 - top_p)
+        sorted_indices_to_remove[..., -1:] = 0
+        indices_to_remove = sorted_indices_to_remove.scatter(1, sorted_indices, sorted_indices_to_remove)
+        logp = u.masked_fill(indices_to_remove, -inf).log_softmax(-1).gather(-1, y[..., None])
+
+    A column is removed where the mass at or below it is at most ``1 − top_p``, that is where the mass
+    above it is at least ``top_p``: the nucleus op's rule (``topk._kept_sorted``), up to rounding at
+    the boundary. A ``kept`` head with ``top_p`` (and no top-k), or None for any other use of a sort."""
+    from . import log_softmax_nll
+
+    u, t = arg(node, 0, "input"), tval(arg(node, 0, "input"))
+    dim, descending = arg(node, 1, "dim", -1), arg(node, 2, "descending", False)
+    if (t is None or t.dim() < 2 or (hint(t.shape[-1]) or 0) < MIN_VOCAB or not isinstance(dim, int)
+            or norm_dim(dim, t.dim()) != t.dim() - 1 or descending is not False or node.kwargs.get("out") is not None):
+        return None
+    items = {arg(i, 1, "index"): i for i in node.users if is_call(i, (operator.getitem,))}
+    if len(node.users) != 2 or set(items) != {0, 1}:
+        return None
+    sm = _only_user(items[0])
+    cs = _only_user(sm) if sm is not None and is_call(sm, SOFTMAX) and _last(sm, 1, t) else None
+    le = _only_user(cs) if cs is not None and is_call(cs, CUMSUM) and _last(cs, 1, t) else None
+    if le is None or not is_call(le, LE) or le.args[0] is not cs:
+        return None
+    bound = le.args[1]
+    if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0.0 <= bound < 1.0:
+        return None
+    kept_last = [w for w in le.users if is_call(w, (operator.setitem,))]
+    scatter = [w for w in le.users if is_call(w, SCATTER)]
+    if len(scatter) != 1 or len(kept_last) + 1 != len(le.users) or len(kept_last) > 1:
+        return None
+    if kept_last and not _keeps_last(kept_last[0], t.dim()):
+        return None
+    sc = scatter[0]
+    if not (_last(sc, 1, t) and sc.args[2:4] == (items[1], le) and not sc.kwargs):
+        return None
+    masked = _only_user(sc)
+    inf = float("-inf")
+    if masked is None or not is_call(masked, MASKED_FILL) or masked.args[:3] != (u, sc, inf):
+        return None
+    ls = _only_user(masked)
+    gather = _only_user(ls) if ls is not None else None
+    head = log_softmax_nll.match(gather) if gather is not None and is_call(gather, log_softmax_nll.TARGETS) else None
+    if not isinstance(head, Head) or head.kind != "log_probs" or head.logits is not masked:
+        return None
+    return replace(head, pattern=PATTERN, logits=u, kind="kept", k=0, top_p=1.0 - bound, normalised="logits",
+                   consumed=(node, *items.values(), sm, cs, le, *kept_last, sc, masked, *head.consumed))
+
+
+def _last(node: Node, at: int, t) -> bool:
+    """``node``'s dim argument (position ``at``, or ``dim=``) is the last of ``t``'s."""
+    dim = arg(node, at, "dim")
+    return isinstance(dim, int) and norm_dim(dim, t.dim()) == t.dim() - 1
+
+
+def _keeps_last(setitem: Node, ndim: int) -> bool:
+    """``removed[..., -1:] = 0`` (or ``[:, -1:]``, ``= False``): the largest column always kept."""
+    index, value = setitem.args[1], setitem.args[2]
+    index = index if isinstance(index, tuple) else (index,)
+    lead = index[1:] if index[:1] == (Ellipsis,) else index[ndim - 1:] if all(
+        i == slice(None) for i in index[: ndim - 1]) else None
+    return lead == (slice(-1, None, None),) and value in (0, False) and not isinstance(value, float)
