@@ -302,10 +302,12 @@ def _sigmoid_topk(x, W, y):
     return top.values.sum(), top.indices
 
 
-def _hf_top_p(x, W, y, top_p=0.8, keep_last=True):
-    """Nucleus sampling replayed as HF's TopPLogitsWarper spells it (at T = 0.7), then the log-probs of
-    the sampled ids over the kept set."""
+def _hf_top_p(x, W, y, top_p=0.8, keep_last=True, top_k=None):
+    """Nucleus sampling replayed as HF's TopPLogitsWarper spells it (at T = 0.7; after its
+    TopKLogitsWarper with ``top_k``), then the log-probs of the sampled ids over the kept set."""
     u = F.linear(x, W).float() / 0.7
+    if top_k is not None:
+        u = u.masked_fill(u < torch.topk(u, top_k)[0][..., -1, None], -float("inf"))
     sorted_logits, sorted_indices = torch.sort(u, descending=False)
     cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
     sorted_indices_to_remove = cumulative_probs <= (1 - top_p)
@@ -601,22 +603,26 @@ def test_linear_topk_through_blocks_matches_eager(log_probs, monkeypatch):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-@pytest.mark.parametrize("keep_last", [True, False])
-def test_hf_top_p_replay_fuses_with_eager_log_probs(keep_last):
-    """HF's top-p warper over the logits at T = 0.7, ids sampled from eager's kept set (and a few from
-    outside it: −inf): the nucleus op's log-probs and gradients as eager's, the −inf at the same rows."""
+@pytest.mark.parametrize("keep_last, top_k", [(True, None), (False, None), (True, 100)])
+def test_hf_top_p_replay_fuses_with_eager_log_probs(keep_last, top_k):
+    """HF's top-p warper over the logits at T = 0.7 (after its top-k warper: one op), ids sampled from
+    eager's kept set (and a few from outside it: −inf): the nucleus op's log-probs and gradients as
+    eager's, the −inf at the same rows."""
     h, w, _, y = _inputs(seed=8)
     with torch.no_grad():  # ids the rollout could have sampled: from eager's nucleus distribution
         u = F.linear(h, w).float() / 0.7
         s, order = torch.sort(u, descending=True)
+        if top_k is not None:
+            s[..., top_k:] = -float("inf")
         p = s.softmax(-1)
         kept = (p.cumsum(-1) - p) < 0.8
         probs = torch.zeros_like(u).scatter(-1, order, torch.where(kept, p, 0.0))
         y = torch.multinomial(probs.flatten(0, 1), 1, generator=torch.Generator().manual_seed(2)).view(y.shape)
         y[0, :3] = order[0, :3, -1]  # the smallest logits: outside the kept set
-    fn = functools.partial(_hf_top_p, keep_last=keep_last)
+    fn = functools.partial(_hf_top_p, keep_last=keep_last, top_k=top_k)
     report = inductor_xent.explain(fn, h, w, y)
-    assert report.fused_count == 1 and "nucleus op (top_p=0.8)" in report.sites[0].reason, report
+    words = "nucleus op (top_p=0.8" + (f", top_k={top_k})" if top_k else ")")
+    assert report.fused_count == 1 and len(report.sites) == 1 and words in report.sites[0].reason, report
     lv, le = _leaves((h, w)), _leaves((h, w))
     got, want = torch.compile(fn, backend="inductor_xent")(lv[0], lv[1], y), fn(le[0], le[1], y)
     assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1])) and torch.isinf(want[1]).sum() == 3

@@ -83,8 +83,8 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         *(f"top-k op (k={h.k}, of the {h.normalised.replace('_', '-')})" for h in tops),
         *(f"top-k op (k={h.k}) for the log-probs over the kept set" for h, _ in plan.heads
           if h.kind == "kept" and h.top_p == 1.0),
-        *(f"nucleus op (top_p={h.top_p:g}) for the log-probs over the kept set" for h, _ in plan.heads
-          if h.kind == "kept" and h.top_p < 1.0),
+        *(f"nucleus op (top_p={h.top_p:g}{f', top_k={h.k}' if h.k else ''}) for the log-probs over the kept set"
+          for h, _ in plan.heads if h.kind == "kept" and h.top_p < 1.0),
         plan.log_probs_op and "log-probs op",
         ce is not None and f"reduction={ce.reduction}",
         plan.ignore_index != NO_IGNORE and f"ignore_index={plan.ignore_index}",

@@ -14,8 +14,8 @@ The kept-set log-probs of top-k sampling replayed (``u.masked_fill(u < torch.top
 -1:], -inf).log_softmax(-1).gather(-1, y[..., None])``, issue 25 item 3) are a ``kept`` head: the
 top-k op and ``topk.kept_from_top`` on its values (eager keeps every column tied with the k-th, the
 op the k that torch.topk returns). So are those of nucleus (top-p) sampling replayed, as HF's
-``TopPLogitsWarper`` spells them (``_nucleus_set``): a ``kept`` head with ``top_p``, the nucleus op
-(``inductor_xent::linear_nucleus_logprob``).
+``TopPLogitsWarper`` spells them (``_nucleus_set``), alone or after the top-k warper (HF's order): a
+``kept`` head with ``top_p`` (and ``k``), the nucleus op (``inductor_xent::linear_nucleus_logprob``).
 """
 
 from __future__ import annotations
@@ -136,13 +136,18 @@ def _kept_set(node: Node, u: Node, items: list, k: int):
     if masked is None or not ((is_call(masked, MASKED_FILL) and masked.args[:3] == (u, cond, inf))
                               or (is_call(masked, (torch.where,)) and masked.args[:3] == (cond, inf, u))):
         return None
+    consumed = (node, *items, *found[1], cond, masked)
+    sort = next((w for w in masked.users if is_call(w, SORT)), None)
+    if sort is not None:  # HF's top-k warper, then its top-p warper over what it kept: one nucleus op
+        head = _nucleus_set(sort) if len(masked.users) == 2 else None
+        return None if head is None else replace(head, logits=u, k=k, consumed=(*consumed, *head.consumed))
     ls = _only_user(masked)
     gather = _only_user(ls) if ls is not None else None
     head = log_softmax_nll.match(gather) if gather is not None and is_call(gather, log_softmax_nll.TARGETS) else None
     if not isinstance(head, Head) or head.kind != "log_probs" or head.logits is not masked:
         return None
     return replace(head, pattern=PATTERN, logits=u, kind="kept", k=k, normalised="logits",
-                   consumed=(node, *items, *found[1], cond, masked, *head.consumed))
+                   consumed=(*consumed, *head.consumed))
 
 
 def _nucleus_set(node: Node):
