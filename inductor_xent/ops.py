@@ -581,63 +581,47 @@ def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_ent
     return (*_lp_fakes(hidden, need_entropy, need_argmax), *_stored_fakes(hidden, weight, softcap, rows))
 
 
-@torch.library.custom_op("inductor_xent::linear_logprob_store_bwd", mutates_args=())
-@_without_autocast
-def linear_logprob_store_bwd(
-    grad_log_probs: Tensor,
-    grad_entropy: Optional[Tensor],
-    grad_lse: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    lse: Tensor,
-    lse_lo: Tensor,
-    entropy: Optional[Tensor],
-    e: Tensor,
-    m: Tensor,
-    st: Tensor,
-    ignore_index: int,
-    logit_scale: float,
-    softcap: Optional[float],
-    needs_hidden: bool,
-    needs_weight: bool,
-    needs_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    return _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy,
-                         e, m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias)
+def _lp_store_bwd_op(in_place: bool):
+    """The log-prob store's backward as a custom op's function (one signature for both ops below)."""
+
+    @_without_autocast
+    def op(
+        grad_log_probs: Tensor,
+        grad_entropy: Optional[Tensor],
+        grad_lse: Tensor,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Optional[Tensor],
+        target: Tensor,
+        lse: Tensor,
+        lse_lo: Tensor,
+        entropy: Optional[Tensor],
+        e: Tensor,
+        m: Tensor,
+        st: Tensor,
+        ignore_index: int,
+        logit_scale: float,
+        softcap: Optional[float],
+        needs_hidden: bool,
+        needs_weight: bool,
+        needs_bias: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        return _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo,
+                             entropy, e, m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight,
+                             needs_bias, in_place=in_place)
+
+    op.__name__ = op.__qualname__ = "linear_logprob_store_bwd" + ("_" if in_place else "")
+    return op
 
 
-@torch.library.custom_op("inductor_xent::linear_logprob_store_bwd_", mutates_args=("e",))
-@_without_autocast
-def linear_logprob_store_bwd_(
-    grad_log_probs: Tensor,
-    grad_entropy: Optional[Tensor],
-    grad_lse: Tensor,
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Optional[Tensor],
-    target: Tensor,
-    lse: Tensor,
-    lse_lo: Tensor,
-    entropy: Optional[Tensor],
-    e: Tensor,
-    m: Tensor,
-    st: Tensor,
-    ignore_index: int,
-    logit_scale: float,
-    softcap: Optional[float],
-    needs_hidden: bool,
-    needs_weight: bool,
-    needs_bias: bool,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``linear_logprob_store_bwd`` that may write over ``e`` (its dz goes there on the Triton path:
-    two whole-vocabulary GEMMs and no dz buffer). Only for an ``e`` nobody reads afterwards: the
-    eager backward of ``consuming_stored`` calls without ``retain_graph``, and
-    inductor_pass.DonatedScale where autograd donates ``e`` to a compiled backward."""
-    return _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy,
-                         e, m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias,
-                         in_place=True)
+linear_logprob_store_bwd = torch.library.custom_op("inductor_xent::linear_logprob_store_bwd", mutates_args=())(
+    _lp_store_bwd_op(False))
+# ``linear_logprob_store_bwd`` that may write over ``e`` (its dz goes there on the Triton path: two
+# whole-vocabulary GEMMs and no dz buffer). Only for an ``e`` nobody reads afterwards: the eager backward
+# of ``consuming_stored`` calls without ``retain_graph``, and inductor_pass.DonatedScale where autograd
+# donates ``e`` to a compiled backward.
+linear_logprob_store_bwd_ = torch.library.custom_op("inductor_xent::linear_logprob_store_bwd_",
+                                                    mutates_args=("e",))(_lp_store_bwd_op(True))
 
 
 def _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e, m,

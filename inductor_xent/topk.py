@@ -127,7 +127,7 @@ def block_stats(z: Tensor, logit_scale: float, softcap: Optional[float], log_pro
     """One pass over ``z`` (n, v) for ``row_topk`` and the log-probs: the maxima of its whole blocks of
     ``BLOCK`` columns (n, v // BLOCK) in z's dtype, and with ``log_probs`` each row's logsumexp of the
     scaled (and capped) logits, from each block's maximum and sum of exponentials (compiled on CUDA
-    into one kernel reading the logits once: ``_stats_for``)."""
+    into one kernel reading the logits once: ``_for``)."""
     n, v = z.shape
     whole = v // BLOCK
     tiles = z[:, : whole * BLOCK].unflatten(1, (whole, BLOCK))
@@ -145,29 +145,17 @@ def block_stats(z: Tensor, logit_scale: float, softcap: Optional[float], log_pro
     return top, torch.logsumexp(parts, -1)
 
 
-_fused_lse = _fused_stats = None
+_COMPILED: dict = {}
 
 
-def _stats_for(device: torch.device):
-    """``block_stats``, compiled once by Inductor on CUDA (a persistent reduction per block); eager
-    elsewhere."""
-    global _fused_stats
+def _for(device: torch.device, fn):
+    """``fn`` compiled once by Inductor on CUDA (``_lse_of``: one reduction over the 16-bit logits, no
+    fp32 copy of the chunk; ``block_stats``: a persistent reduction per block); eager elsewhere."""
     if device.type != "cuda":
-        return block_stats
-    if _fused_stats is None:
-        _fused_stats = torch.compile(block_stats, fullgraph=True)
-    return _fused_stats
-
-
-def _lse_for(device: torch.device):
-    """``_lse_of``: on CUDA compiled once by Inductor into one reduction over the 16-bit logits (no
-    fp32 copy of the chunk); eager elsewhere."""
-    global _fused_lse
-    if device.type != "cuda":
-        return _lse_of
-    if _fused_lse is None:
-        _fused_lse = torch.compile(_lse_of, fullgraph=True)
-    return _fused_lse
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+    return _COMPILED[fn]
 
 
 def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional[float], log_probs: bool):
@@ -178,7 +166,7 @@ def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional
     lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
     # the forward keeps only the chunk's logits (and the top-k's scratch over a fraction of them)
     step = chunk_rows(n, v, hidden.device, hidden.element_size() + 2)
-    lse_fn, stats_fn = _lse_for(hidden.device), _stats_for(hidden.device)
+    lse_fn, stats_fn = _for(hidden.device, _lse_of), _for(hidden.device, block_stats)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         z = F.linear(hidden[sl], weight, bias)
