@@ -12,7 +12,7 @@ from torch import Tensor
 from . import config, ops
 from . import strategy as strategies
 from . import topk as _topk
-from .options import FLOAT_DTYPES, REDUCTIONS, fold_temperature, reduced
+from .options import FLOAT_DTYPES, REDUCTIONS, check_temperature, fold_temperature, reduced
 
 
 def linear_cross_entropy(
@@ -169,10 +169,7 @@ def linear_log_probs(
     """
     _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)
     hidden, weight, bias = _autocast(hidden, weight, bias)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    temperature = check_temperature(temperature)
     for name, flag in (("entropy", entropy), ("argmax", argmax)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be True or False, got {flag!r}")

@@ -360,8 +360,7 @@ def linear_distillation_loss(
         raise ValueError("hard_weight needs the target (the hard labels)")
     if kind == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd needs 0 < beta < 1 (beta 0 is forward_kl, 1 reverse_kl), got {beta}")
-    if not (isinstance(temperature, (int, float)) and temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a positive finite number, got {temperature!r}")
+    options.check_temperature(temperature)
     if student_weight.dim() != 2 or teacher_weight.dim() != 2 or student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(f"the weights must be [V, D] with one vocabulary: student {tuple(student_weight.shape)}, "
                          f"teacher {tuple(teacher_weight.shape)}")

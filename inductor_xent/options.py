@@ -3,6 +3,7 @@ implementation."""
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -47,6 +48,16 @@ class LossOptions(NamedTuple):
     logit_scale: float = 1.0
     softcap: Optional[float] = None
     z_loss: float = 0.0
+
+
+def check_temperature(temperature) -> float:
+    """``temperature`` as a float: ``TypeError`` for anything but a Python number (a bool, a tensor, a
+    string), ``ValueError`` for one that is not finite and > 0. Every functional API checks it here."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    return float(temperature)
 
 
 def fold_temperature(logit_scale: float, softcap: Optional[float], temperature: float) -> tuple[float, Optional[float]]:

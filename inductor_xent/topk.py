@@ -435,11 +435,8 @@ def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 
 
 def _scale_and_cap(temperature, logit_scale, softcap) -> tuple[float, Optional[float]]:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0 \
-            or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     return options.fold_temperature(float(logit_scale), None if softcap is None else float(softcap),
-                                    float(temperature))
+                                    options.check_temperature(temperature))
 
 
 def linear_topk(

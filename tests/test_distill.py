@@ -146,8 +146,10 @@ def test_op_refuses_bad_arguments():
         linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], kind="jsd", beta=1.0)
     with pytest.raises(ValueError, match="one vocabulary"):
         linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"][:-1])
-    with pytest.raises(ValueError, match="temperature"):
+    with pytest.raises(ValueError, match="temperature must be a finite number > 0, got 0.0"):
         linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], temperature=0.0)
+    with pytest.raises(TypeError, match="temperature must be a number, got Tensor"):  # as every API says it
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], temperature=torch.tensor(2.0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -157,7 +157,9 @@ def test_kept_set_of_every_column_is_the_plain_log_probs():
     (dict(k=0), ValueError, "k must be in [1, V]"),
     (dict(k=V + 1), ValueError, "k must be in [1, V]"),
     (dict(k=2.0), TypeError, "k must be an int"),
-    (dict(temperature=0.0), ValueError, "temperature"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0, got 0.0"),
+    (dict(temperature=float("inf")), ValueError, "temperature must be a finite number > 0, got inf"),
+    (dict(temperature="hot"), TypeError, "temperature must be a number, got str"),
     (dict(weight_dtype=torch.float64), TypeError, "one dtype"),
 ])
 def test_linear_topk_rejects(bad, error, words):
