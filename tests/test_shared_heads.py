@@ -136,6 +136,24 @@ def test_a_write_between_keeps_the_sites_apart():
     torch.testing.assert_close(ours, same)
     assert not torch.allclose(same, moved), "the loss read after the write differs (else this test cannot fail)"
     assert counters["inductor_xent"]["sites_fused"] == 2 and fused_ops(rec.after[0]) == 2
+    report = inductor_xent.explain(_write_between, ins["x"], ins["W"], ins["P"], ins["y"])
+    assert "writes the targets between the sites" in report.sites[0].reason, str(report)
+
+
+@pytest.mark.parametrize("name, words", [("early_use", "the last site's inputs depend on it"),
+                                         ("two_weights", None)])
+def test_explain_says_why_sites_of_one_weight_keep_their_own_ops(name, words):
+    fn = CASES[name][0]
+    ins = _inputs()
+    report = inductor_xent.explain(fn, **{k: v.requires_grad_() for k, v in ins.items() if v.is_floating_point()},
+                                   y=ins["y"])
+    assert report.fused_count == 2, str(report)
+    for site in report.sites:
+        if words is None:  # two weights: nothing to share
+            assert "its own op" not in site.reason, site.reason
+        else:
+            assert "its own op, not one with the other sites of this lm_head weight" in site.reason, site.reason
+            assert words in site.reason, site.reason
 
 
 def test_explain_names_the_shared_op():

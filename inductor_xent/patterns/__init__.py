@@ -77,8 +77,9 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
     if can_return:
         gm.meta[escape.META_KEY] = (len(output.args[0]), [])
-    sites.extend(_shared_heads(gm, candidates, allow_escaping_logits, can_return, strategy, store_budget, erased,
-                               reported))
+    shared, apart = _shared_heads(gm, candidates, allow_escaping_logits, can_return, strategy, store_budget, erased,
+                                  reported)
+    sites.extend(shared)
     for node, idioms in candidates.items():
         if node in erased or node in reported:
             continue
@@ -92,6 +93,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
             continue
         reported.update(h.loss for h in found.heads)
         if isinstance(found.outcome, SitePlan):  # rewrite (not guarded: a failure half way must not be swallowed)
+            found.outcome.apart = apart.get(found.outcome.first.loss, "")
             how = _plan.gradients(found.outcome, strategy, store_budget)
             avoided = _rewrite.rewrite(gm, found.outcome, how, erased)
             site = _report.fused(found.pattern, found.node, found.kinds, found.outcome, how, avoided)
@@ -106,11 +108,12 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
 
 
 def _shared_heads(gm: GraphModule, candidates: dict, allow_escaping: bool, can_return: bool, strategy, budget,
-                  erased: set, reported: set) -> list[SiteReport]:
+                  erased: set, reported: set) -> tuple[list[SiteReport], dict]:
     """Sites over one lm_head weight (multi-token prediction's depths) rewritten as one op call
-    (``_shared.py``), before the sites are rewritten one by one; their heads join ``reported``."""
+    (``_shared.py``), before the sites are rewritten one by one; their heads join ``reported``. Also
+    why the others of a weight keep their own ops (the first head's node -> reason)."""
     if len(candidates) < 2:
-        return []
+        return [], {}
     found, seen = [], set()
     for node, idioms in candidates.items():
         if node in seen:
@@ -123,7 +126,8 @@ def _shared_heads(gm: GraphModule, candidates: dict, allow_escaping: bool, can_r
             seen.update(h.loss for h in a.heads)
             found.append(a)
     out = []
-    for group, sink in _shared.groups(gm, [a.outcome for a in found]):
+    groups, apart = _shared.groups(gm, [a.outcome for a in found])
+    for group, sink in groups:
         members = [found[i] for i in group]
         plans = [a.outcome for a in members]
         how = _shared.gradients(plans, strategy, budget)
@@ -131,7 +135,7 @@ def _shared_heads(gm: GraphModule, candidates: dict, allow_escaping: bool, can_r
             a.outcome.shared = len(plans)
             reported.update(h.loss for h in a.heads)
             out.append(_counted(_report.fused(a.pattern, a.node, a.kinds, a.outcome, how, avoided)))
-    return out
+    return out, {found[i].outcome.first.loss: why for i, why in apart.items()}
 
 
 def _counted(site: SiteReport) -> SiteReport:

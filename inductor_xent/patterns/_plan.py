@@ -85,6 +85,7 @@ class SitePlan:
     returned: list = field(default_factory=list)  # [Returned]: logits the op writes for the graph's output
     siblings: list = field(default_factory=list)  # (Head, LogitsChain) over other row slices: their own sites
     shared: int = 0  # the sites one op serves together (this one among them): lm_head weight shared (_shared.py)
+    apart: str = ""  # why this site keeps its own op next to others of its weight (_shared.groups)
 
     @property
     def autocast(self) -> bool:

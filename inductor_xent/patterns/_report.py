@@ -102,6 +102,7 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         plan.siblings and "one op per row slice of the logits (the other slices are sites of their own)",
         plan.shared and f"one log-probs op for the rows of {plan.shared} sites of this lm_head weight "
                         "(the weight read once per tile)",
+        plan.apart and f"its own op, not one with the other sites of this lm_head weight ({plan.apart})",
         not chain.weight_is_vd and "[D, V] weight",
         unlooped(plan) and f"a Python loop over {unlooped(plan)} folded into one op",
         plan.autocast and f"autocast: operands cast to {str(plan.dtype).replace('torch.', '')}",

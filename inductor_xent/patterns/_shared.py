@@ -30,23 +30,26 @@ from ._plan import SitePlan
 KINDS = ("cross_entropy", "log_probs")
 
 
-def groups(gm, plans: list[SitePlan]) -> list[tuple[list[int], list[Node]]]:
+def groups(gm, plans: list[SitePlan]) -> tuple[list[tuple[list[int], list[Node]]], dict]:
     """The sites each one op serves (indices into ``plans``, two or more, in graph order), each group with
-    the nodes to move after the op (``_movable``)."""
+    the nodes to move after the op (``_movable``); and why the sites of a weight that could not share
+    one op keep their own (index -> reason, for ``explain``)."""
     by_key: dict = {}
     for i, p in enumerate(plans):
         key = _key(p)
         if key is not None:
             by_key.setdefault(key, []).append(i)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    found = []
+    found, apart = [], {}
     for members in by_key.values():
         if len(members) < 2 or len({plans[i].logits.matmul for i in members}) != len(members):
             continue
         why, sink = _movable(gm, order, [plans[i] for i in members])
         if why is None:
             found.append((sorted(members, key=lambda i: order[plans[i].anchor]), sink))
-    return found
+        else:
+            apart.update(dict.fromkeys(members, why))
+    return found, apart
 
 
 def gradients(plans: list[SitePlan], which: Optional[str], budget) -> strategy.GradientPlan:
