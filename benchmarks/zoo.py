@@ -428,8 +428,9 @@ def summary(rows: list[Row]) -> str:
     built = [r for r in rows if r.constructs]
     ok = [r for r in built if r.ok]
     pct = 100.0 * len(ok) / len(built) if built else math.nan
-    lines = [f"{len(rows)} causal-LM model types; {len(built)} construct; {len(ok)} of them fuse exactly once "
-             f"with loss and grads within torch's error ({pct:.1f}%); {len(built) - len(ok)} do not; "
+    lines = [f"{len(rows)} causal-LM model types; {len(built)} construct; {len(ok)} of them fuse every site "
+             f"(SITES: one, or one per codebook head) with loss and grads within torch's error ({pct:.1f}%); "
+             f"{len(built) - len(ok)} do not; "
              f"{len(rows) - len(built)} do not construct; {sum(r.seconds for r in rows):.0f} s"]
     misses: dict[str, list[str]] = {}
     for r in built:

@@ -81,7 +81,7 @@ def test_zoo_subset_fuses_exactly(model_type):
 @pytest.mark.slow
 @pytest.mark.zoo
 def test_zoo_whole_sweep():
-    """Every model type: the ones that construct fuse exactly once, or decline naming what to change;
+    """Every model type: the ones that construct fuse every site (one; MusicGen four), or decline naming what to change;
     compiled results always within torch's error."""
     rows = [zoo.check(t) for t in zoo.causal_lm_types()]
     print(zoo.table(rows))
