@@ -419,3 +419,29 @@ def test_add_with_alpha_is_not_a_shift():
     report = inductor_xent.explain(fn, **ins)
     assert report.fused_count == 0, str(report)
     torch.testing.assert_close(torch.compile(fn, backend="inductor_xent")(**ins), fn(**ins))
+
+
+@pytest.mark.parametrize("strategy", ["recompute", "store"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_reduced_loss_of_detached_logits_has_no_gradient(strategy, reduction):
+    """A cross-entropy of ``logits.detach()`` (a logged loss next to a trained term) reduced to a scalar:
+    fused, its value as eager's and no gradient through it (the weight's .grad stays None, as eager's;
+    the op's reduced output used to carry one)."""
+    ins = _inputs()
+
+    def fn(x, W, y, **_):
+        logged = F.cross_entropy(F.linear(x, W).detach().view(-1, V), y.view(-1), reduction=reduction)
+        return logged + x.square().sum()
+
+    results = []
+    for backend in (Recorder(**{"xent.strategy": strategy, "xent.store_budget": "1GiB"}), None):
+        leaf = {k: ins[k].detach().clone().requires_grad_() for k in ("x", "W")}
+        loss = (torch.compile(fn, backend=backend) if backend else fn)(**leaf, y=ins["y"])
+        loss.backward()
+        results.append((loss.detach(), leaf["x"].grad, leaf["W"].grad))
+        if backend is not None:
+            assert fused_ops(backend.after[0]) == 1
+    (ours, ours_gx, ours_gw), (want, want_gx, want_gw) = results
+    torch.testing.assert_close(ours, want)
+    torch.testing.assert_close(ours_gx, want_gx)
+    assert want_gw is None and ours_gw is None, "a gradient through the detached logits"

@@ -98,7 +98,10 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
     if how.strategy == "store" and not plan.log_probs_op:  # the reduced loss and its gradients, in one op
         out = e.call(ops.STORE, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
                      0.0, site.reduction, 0, how.budget, *needs, *write)
-        site.loss.replace_all_uses_with(_cast_like(e, e.getitem(out, 0), site.loss))
+        loss = e.getitem(out, 0)
+        if plan.heads[0][1].detached:  # the loss of logits.detach(): no gradient, as eager's
+            loss = e.method("detach", loss)
+        site.loss.replace_all_uses_with(_cast_like(e, loss, site.loss))
         _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
     if plan.log_probs_op:
@@ -186,6 +189,8 @@ def _place_heads(e: Emitter, plan: SitePlan, values: dict, ops_in: _Operands, ii
                 value = e.call(operator.truediv, e.method("sum", value), count)
             else:
                 value = e.method("sum", value)
+            if c.detached:  # the loss of logits.detach(): no gradient, as eager's
+                value = e.method("detach", value)
         else:
             value = _shaped(e, h, c, value, ops_in.hidden, ops_in.all_ops, ops_in.d)
         _place(e, h.loss, value, (sign < 0) != h.negate, plan.logits, folded)

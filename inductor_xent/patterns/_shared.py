@@ -69,7 +69,7 @@ def _key(p: SitePlan) -> Optional[tuple]:
     heads = [h for h, _ in p.heads]
     if (p.returned or p.lse_users or p.escapes or p.siblings or p.hoist or p.target is None
             or any(h.kind not in KINDS or h.label_smoothing for h in heads)
-            or any(not _same_walk(c, w) for _, w in p.heads)
+            or any(not _same_walk(c, w) or w.detached for _, w in p.heads)  # a detached site: no gradient at all
             or _dtensor.involved(c) or c.weight_scale is not None
             or any(is_call(n, (torch.stack,)) for n in p.owned)):
         return None
