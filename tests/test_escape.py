@@ -340,3 +340,26 @@ def test_hf_llama_whole_model_compile(how, autocast):
     for i, (a, s, e) in enumerate(zip(ours, same, exact)):
         assert a.dtype == s.dtype
         assert_within_torch_error(a, s, e, floor=1e-3, what=f"output {i}")
+
+
+def test_returned_stacked_heads_under_autocast():
+    """MusicGen trained under bf16 autocast (fp32 parameters): the returned stack is bf16 as eager
+    autocast's, and the loss, the stack and every gradient (the caller's loss reading the stack too)
+    within eager autocast's error of float64."""
+    from .helpers import autocast_representable
+
+    ins = autocast_representable(make_inputs(), torch.bfloat16)
+
+    def run(backend=None, dtype=torch.float32, autocast=True):
+        args = {k: ins[k].detach().to(dtype).requires_grad_() for k in ("x", "W", "Wdv")}
+        f = torch.compile(_musicgen, backend=backend) if backend else _musicgen
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, logits = f(**args, y=ins["y"], yv=ins["yv"])
+        total = loss + 0.1 * logits.float().square().mean()
+        return [loss.detach(), logits.detach(), *torch.autograd.grad(total, list(args.values()))]
+
+    rec = Recorder()
+    ours, same, exact = run(rec), run(), run(dtype=torch.float64, autocast=False)
+    assert ours[1].dtype == same[1].dtype == torch.bfloat16 and fused_ops(rec.after[0]) == 2
+    for name, a, s, e in zip(("loss", "logits", "grad x", "grad W", "grad Wdv"), ours, same, exact):
+        assert_within_torch_error(a, s, e, floor=torch.finfo(torch.bfloat16).eps / 8, what=f"musicgen autocast {name}")
