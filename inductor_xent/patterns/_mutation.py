@@ -154,10 +154,16 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     saved_storages = [(_storage(r), reads[r], 0) for r in saved if r is not None]
     swapped = next((n for n in gm.graph.nodes if swaps_storage(n)), None)
     # a write an idiom took in as part of its spelling (HF's top-p ``removed[..., -1:] = 0``): to a tensor
-    # only the heads compute and read, replaced with them
+    # only the heads compute and read, sharing no storage with anything else the op reads, replaced with them
     own = {m for h in heads for m in h.consumed}
+    others = [(_storage(r), what) for r, what in reads.items() if r not in own]
+
+    def own_write(n: Node) -> bool:
+        return n in own and bool(writes(n)) and all(
+            w in own and all(u in own for u in w.users) and _aliased(w, others, swapped) is None for w in writes(n))
+
     for n in gm.graph.nodes:
-        if order[n] < lo or (n in own and writes(n) and all(w in own for w in writes(n))):
+        if order[n] < lo or own_write(n):
             continue
         between = order[n] <= hi
         for w in writes(n):

@@ -18,7 +18,7 @@ from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import SitePlan
 from ._site import NO_IGNORE
-from ._steps import CAST_METHODS, RowScale, stacked
+from ._steps import CAST_METHODS, RowScale, StackedSlice, stacked
 
 NEG = (operator.neg, torch.neg, "neg")
 
@@ -40,7 +40,8 @@ class _Operands(NamedTuple):
     d: Any
 
 
-def _operands(e: Emitter, plan: SitePlan) -> _Operands:
+def _operands(e: Emitter, plan: SitePlan, with_weight: bool = True) -> _Operands:
+    """``with_weight=False``: the hidden states and targets only (weight and bias None: another site's)."""
     chain, graph = plan.logits, e.graph
     # the hidden states go through the logits' leading-dim views with D in place of V
     d = chain.vd[1]
@@ -49,6 +50,10 @@ def _operands(e: Emitter, plan: SitePlan) -> _Operands:
     all_ops = [op for _, op in chain.shape_ops]
     hidden = _logits.replay(e, chain.hidden, all_ops, d)
     hidden2d = hidden if tval(hidden).dim() == 2 else e.method("flatten", hidden, 0, -2)
+    target = plan.target
+    target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
+    if not with_weight:
+        return _Operands(hidden, _cast(e, hidden2d, plan.dtype), None, None, target1d, all_ops, d)
     if chain.weight_scale is not None:  # logits * s, s one factor per vocabulary entry: (W * s[:, None])
         weight = _logits.scaled_weight(graph, chain)
     else:
@@ -60,8 +65,6 @@ def _operands(e: Emitter, plan: SitePlan) -> _Operands:
         v = chain.vd[0] if isinstance(chain.vd[0], int) else e.method("size", weight, 0)
         bias = (e.method("new_full", weight, (v,), chain.bias_shift) if bias is None
                 else e.call(operator.add, bias, chain.bias_shift))
-    target = plan.target
-    target1d = target if target is None or tval(target).dim() == 1 else e.method("reshape", target, -1)
     return _Operands(hidden, hidden2d, weight, bias, target1d, all_ops, d)
 
 
@@ -151,7 +154,7 @@ def rewrite_shared(gm, plans: list, sink: list, how: strategy.GradientPlan, eras
     order = {n: i for i, n in enumerate(graph.nodes)}
     last = max(plans, key=lambda p: order[p.anchor])
     e = Emitter(graph, last.anchor, last.first.loss)
-    operands = [_operands(e, p) for p in plans]
+    operands = [_operands(e, p, with_weight=i == 0) for i, p in enumerate(plans)]  # one weight (and bias) for all
     chain, ii = last.logits, int(last.ignore_index)
     scale, cap = float(chain.logit_scale), None if chain.softcap is None else float(chain.softcap)
     hidden = e.call(torch.cat, [o.hidden2d for o in operands], 0)
@@ -327,11 +330,9 @@ def _unstack(graph, stack: Node, erased: set) -> None:
             if picked is None:  # a slice keeping every head: the takes are after it
                 frontier.append(g)
                 continue
-            e, value = Emitter(graph, g, g), picked[0]
-            for idx in picked[1]:
-                if any(i != slice(None) for i in idx):
-                    value = e.getitem(value, idx)
-            g.replace_all_uses_with(value)
+            element, indices = picked
+            take = StackedSlice(g, element, tuple(indices))
+            g.replace_all_uses_with(take.replay(Emitter(graph, g, g), element, None))
             graph.erase_node(g)
             erased.add(g)
 

@@ -191,6 +191,8 @@ def _nucleus_set(node: Node):
     sc = scatter[0]
     if not (_last(sc, 1, t) and sc.args[2:4] == (items[1], le) and not sc.kwargs):
         return None
+    if any(n.kwargs.get("out") is not None for n in (sm, cs, le)):  # a write into another tensor: not this spelling
+        return None
     masked = _only_user(sc)
     inf = float("-inf")
     if masked is None or not is_call(masked, MASKED_FILL) or masked.args[:3] != (u, sc, inf):
