@@ -112,7 +112,7 @@ def _shared_heads(gm: GraphModule, candidates: dict, allow_escaping: bool, can_r
     """Sites over one lm_head weight (multi-token prediction's depths) rewritten as one op call
     (``_shared.py``), before the sites are rewritten one by one; their heads join ``reported``. Also
     why the others of a weight keep their own ops (the first head's node -> reason)."""
-    if len(candidates) < 2:
+    if len(candidates) < 2 or not _shared.may_share(gm):
         return [], {}
     found, seen = [], set()
     for node, idioms in candidates.items():

@@ -25,9 +25,29 @@ from torch.fx import Node
 from .. import strategy
 from . import _dtensor, _mutation
 from ._fx import hint, is_call, numel_hint, tval
+from ._logits import is_matmul
 from ._plan import SitePlan
 
 KINDS = ("cross_entropy", "log_probs")
+_THROUGH = ("t", "transpose", "to", "float", "bfloat16", "half")  # a weight's view or cast before its matmul
+
+
+def may_share(gm) -> bool:
+    """Whether some graph input (a parameter: placeholder or attribute) is an operand of two matmuls or
+    more, directly or through one transpose or cast: only then can two sites share an lm_head weight
+    (the driver plans every site twice otherwise for nothing)."""
+    seen: dict = {}
+    for n in gm.graph.nodes:
+        if not is_matmul(n):
+            continue
+        for a in n.all_input_nodes:
+            if a.op == "call_method" and a.target in _THROUGH and a.args:
+                a = a.args[0]
+            if isinstance(a, Node) and a.op in ("placeholder", "get_attr"):
+                seen[a] = seen.get(a, 0) + 1
+                if seen[a] > 1:
+                    return True
+    return False
 
 
 def groups(gm, plans: list[SitePlan]) -> tuple[list[tuple[list[int], list[Node]]], dict]:
