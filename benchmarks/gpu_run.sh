@@ -32,7 +32,7 @@
 #           compile, the pass's one shared op, one op per site, cuBLAS (MTP_DEPTHS, MTP_ROUNDS override)
 #   bicost  INDUCTOR_XENT_BATCH_INVARIANT=1 against off at the qwen2.5-7b RL head, forward and step, 3 rounds
 #           (bench_batch_invariant.py), and 300 rows alone against inside the batch
-#   probe   scratch/bi_probe.py when present (an uncommitted experiment; carry "scratch")
+#   probe   scratch/bi_probe.py (or $PROBE) when present (an uncommitted experiment; carry "scratch")
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl;
 #           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
@@ -144,7 +144,7 @@ for step in ${STEPS//,/ }; do
                    | tee "$OUT/topk.log" | grep -E "^\||^target|rror" ;;
         mtp)   timeout ${MTP_S:-200} python3 benchmarks/bench_mtp.py --quick --depths ${MTP_DEPTHS:-1} --rounds ${MTP_ROUNDS:-3} \
                    --out "$OUT" 2>&1 | tee "$OUT/mtp.log" | grep -E "^\||^mtp|rror" ;;
-        probe) timeout 120 python3 scratch/bi_probe.py 2>&1 | tee "$OUT/probe.log" | tail -60 ;;
+        probe) timeout ${PROBE_S:-120} python3 ${PROBE:-scratch/bi_probe.py} 2>&1 | tee "$OUT/probe.log" | tail -60 ;;
         bicost) timeout ${BICOST_S:-150} python3 benchmarks/bench_batch_invariant.py --out "$OUT" 2>&1 \
                    | tee "$OUT/bicost.log" | tail -4 ;;
         rl)    timeout ${RL_S:-150} python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b ${RL_METHODS:+--methods $RL_METHODS} --out "$OUT" 2>&1 \

@@ -189,24 +189,46 @@ def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional
 def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: float, softcap: Optional[float],
               log_probs: bool, needs: tuple[bool, bool, bool]):
     g_all = grad_values.to(compute_dtype(hidden.dtype))
+    dense_fn = _for(hidden.device, dense_dz)
 
-    def du_of(sl):
-        u, x = _scaled(F.linear(hidden[sl], weight, bias), logit_scale, softcap)
-        g = g_all[sl]
-        du = torch.zeros_like(u).scatter_(1, indices[sl], g)
-        if log_probs:  # d(u_j − lse)/du = onehot_j − softmax(u)
-            du -= torch.exp(u - lse[sl, None]) * g.sum(-1, keepdim=True)
-        return du, x
+    def dz_of(sl):
+        # d(u_j − lse)/du = onehot_j − softmax(u): the softmax part over every column in one pass over
+        # the recomputed logits, then the k columns' own values (computed whole in the compute dtype,
+        # rounded once) written over it; the scale and the softcap's sech² applied in both
+        z, g, idx = F.linear(hidden[sl], weight, bias), g_all[sl], indices[sl]
+        total = g.sum(-1)
+        if log_probs:
+            dz = dense_fn(z, lse[sl], total, logit_scale, softcap)
+        else:
+            dz = torch.zeros_like(z)
+        uk, xk = _scaled(z.gather(1, idx), logit_scale, softcap)
+        dk = g - torch.exp(uk - lse[sl, None]) * total[:, None] if log_probs else g
+        return dz.scatter_(1, idx, _dz_of_du(dk, xk, logit_scale).to(z.dtype)), None
 
-    return _grads_from_du(hidden, weight, bias, needs, logit_scale, du_of)
+    return _grads_from_du(hidden, weight, bias, needs, logit_scale, dz_of, gives_dz=True)
 
 
-def _grads_from_du(hidden, weight, bias, needs: tuple[bool, bool, bool], logit_scale: float, du_of):
+def _dz_of_du(du: Tensor, x: Optional[Tensor], logit_scale: float) -> Tensor:
+    """dz = du·scale·sech²(x) (x: the softcap's argument; None without one)."""
+    dz = du * logit_scale
+    return dz if x is None else dz / torch.cosh(x).square()  # sech²(x): no cancellation where tanh saturates
+
+
+def dense_dz(z: Tensor, lse: Tensor, total: Tensor, logit_scale: float, softcap: Optional[float]) -> Tensor:
+    """The log-probs top-k's dz over every column, −softmax(u)·(sum of the row's incoming gradients),
+    scaled and capped, in z's dtype (compiled on CUDA into one pass over the logits: ``_for``)."""
+    u, x = _scaled(z, logit_scale, softcap)
+    return _dz_of_du(-torch.exp(u - lse[:, None]) * total[:, None], x, logit_scale).to(z.dtype)
+
+
+def _grads_from_du(hidden, weight, bias, needs: tuple[bool, bool, bool], logit_scale: float, du_of,
+                   gives_dz: bool = False):
     """(grad_hidden, grad_weight, grad_bias) from each row chunk's ``du`` (the gradient with respect
     to the scaled, capped logits u, compute dtype): ``du_of(rows)`` gives it and the softcap's
-    argument x (None without one). dz = du·scale·sech²(x) in the input dtype, then dz @ W into the
-    chunk's grad_hidden and dzᵀ @ h added into grad_weight (in fp32 where a 16-bit one would be rounded
-    too often: strategy.fp32_accumulate); not-needed gradients are empty (0,)."""
+    argument x (None without one). dz = du·scale·sech²(x) in the input dtype (``gives_dz``: ``du_of``
+    gives dz itself), then dz @ W into the chunk's grad_hidden and dzᵀ @ h added into grad_weight (in
+    fp32 where a 16-bit one would be rounded too often: strategy.fp32_accumulate); not-needed
+    gradients are empty (0,)."""
     n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden.dtype)
     step = chunk_rows(n, v, hidden.device)
@@ -220,10 +242,13 @@ def _grads_from_du(hidden, weight, bias, needs: tuple[bool, bool, bool], logit_s
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         du, x = du_of(sl)
-        dz = du.mul_(logit_scale)
-        if x is not None:
-            dz *= x.cosh_().square_().reciprocal_()  # sech²(x), no cancellation where tanh saturates
-        dz = dz.to(hidden.dtype)
+        if gives_dz:
+            dz = du
+        else:
+            dz = du.mul_(logit_scale)
+            if x is not None:
+                dz *= x.cosh_().square_().reciprocal_()  # sech²(x), no cancellation where tanh saturates
+            dz = dz.to(hidden.dtype)
         if need_h:
             grad_h[sl] = dz @ weight
         if need_w:
