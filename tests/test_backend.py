@@ -89,6 +89,7 @@ def test_cache_salt_keeps_user_joint_pass():
     assert passes == [user, install.CACHE_SALT]
 
 
+@pytest.mark.slow(s=75)
 def test_inductor_cpu_end_to_end_and_cache_guard(monkeypatch):
     """Real Inductor: exact loss and grads, our fwd/bwd ops in the compiled code, the AOTAutograd
     cache hits on a recompile, and misses once our sources' hash changes."""
@@ -112,6 +113,7 @@ def test_inductor_cpu_end_to_end_and_cache_guard(monkeypatch):
         assert counters["aot_autograd"]["autograd_cache_miss"] == 1
 
 
+@pytest.mark.slow(s=109)
 def test_inductor_generated_code_calls_our_ops():
     from torch._inductor.utils import run_fw_bw_and_get_code
 
@@ -316,7 +318,7 @@ def test_string_backend_with_mode_and_options():
     assert counters["inductor_xent"]["sites_fused"] == 0
 
 
-@pytest.mark.slow
+@pytest.mark.slow(s=106)
 @pytest.mark.parametrize("name", ["z_loss", "lse_keepdim", "weight_dv", "one_hot"])
 def test_inductor_cpu_spellings(name):
     """Real Inductor on the spellings whose rewrite is least like HF's: the op's lse output feeding

@@ -51,6 +51,7 @@ def test_scan_plot_from_rows(tmp_path):
     json.dumps(rows)
 
 
+@pytest.mark.slow(s=21)
 def test_demo_runs_and_fuses(capsys):
     """The main job, shortened: both backends train, the site is fused, the losses agree."""
     from inductor_xent import demo

@@ -230,6 +230,7 @@ def test_teacher_under_no_grad_gets_no_gradient():
     assert ins["ws"].grad is not None and ins["wt"].grad is None and ins["ht"].grad is None
 
 
+@pytest.mark.slow(s=82)
 def test_compiles_through_inductor():
     ins = _inputs()
     le, ge = _run(_hinton, ins, teacher_grad=False)

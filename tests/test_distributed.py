@@ -336,6 +336,7 @@ def _tp_worker(rank, world_size, spellings, options, op_checks=False):
 TP_SPELLINGS = {2: ("loss_parallel", "replicate", "sequence_parallel"), 4: ("loss_parallel", "sequence_parallel")}
 
 
+@pytest.mark.slow(s=30)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_tensor_parallel_head_is_vocabulary_parallel(tmp_path, world_size):
     """The op on vocabulary-sharded DTensors matches the oracle; a ColwiseParallel lm_head is fused
@@ -416,6 +417,7 @@ FSDP_VARIANTS = {
 }
 
 
+@pytest.mark.slow(s=20)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fsdp2_head_fused(tmp_path, world_size):
     """fully_shard on the blocks and the root: the head fuses, whole-model and per-block compiled,
@@ -428,6 +430,7 @@ def _real_inductor_worker(rank, world_size):
     _fsdp_worker(rank, world_size, [("per_block", "fp32", True)])
 
 
+@pytest.mark.slow(s=98)
 def test_real_inductor(tmp_path):
     """Real Inductor (C++ codegen): torchtitan's TP spelling, its functional collectives lowered by
     Inductor; and FSDP2's head against backend="inductor" on the same model."""
@@ -460,6 +463,7 @@ def _fsdp_tp_worker(rank, world_size, spellings, options):
         assert_matches(loss, model, reference(batches, **kw))
 
 
+@pytest.mark.slow(s=20)
 def test_fsdp2_and_tensor_parallel_2d_mesh(tmp_path):
     """A (dp=2, tp=2) mesh, torchtitan's order (TP first, then FSDP2 over dp): the head fuses into
     the vocabulary-parallel op; loss and gradients as one process over both data shards.

@@ -316,7 +316,7 @@ def _llama_step(model, batch, compiled, autocast):
     return [out.loss.detach(), out.logits.detach()] + [p.grad.clone() for p in model.parameters()]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(s=111)
 @pytest.mark.parametrize("how", ["backend", "install"])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_hf_llama_whole_model_compile(how, autocast):

@@ -45,6 +45,7 @@ def _inputs():
     return torch.randn(4, 8, generator=g), torch.randn(10, 8, generator=g), torch.randint(0, 10, (4,), generator=g)
 
 
+@pytest.mark.slow(s=24)
 def test_torch_logs_reports_sites_and_plus_adds_graphs():
     info = _run({"TORCH_LOGS": "inductor_xent"})
     assert "inductor_xent: fused lm_head_cross_entropy site" in info, info[-2000:]

@@ -123,7 +123,7 @@ def test_zoo_fused_exact_same_graph_count(name):
     assert ours.frame_count == plain.frame_count
 
 
-@pytest.mark.slow
+@pytest.mark.slow(s=83)
 @pytest.mark.parametrize("name", sorted(ZOO))
 def test_zoo_inductor_end_to_end(name):
     check_model(name, "inductor_xent")

@@ -309,6 +309,7 @@ def _call(row, compiled):
     return loss.detach(), grads, [t.detach() for t in (x, _leaves(x, W)["W"], y, u)]
 
 
+@pytest.mark.slow(s=82)
 @pytest.mark.parametrize("name", list(CASES))
 def test_write_declines_or_fuses_exactly(name):
     row = CASES[name]

@@ -200,6 +200,7 @@ def test_compile_fullgraph_two_batch_sizes_no_recompile(strategy):
     torch._dynamo.reset()
 
 
+@pytest.mark.slow(s=81)
 @pytest.mark.parametrize("strategy", ["recompute", "store"])
 def test_compile_inductor_cpu_matches_eager(strategy):
     torch._dynamo.reset()

@@ -6,11 +6,13 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
+@pytest.mark.slow(s=222)
 def test_readme_snippets_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the Trainer example writes its output directory here
     blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)

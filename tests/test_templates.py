@@ -815,6 +815,7 @@ def test_log_probs_store_never_reads_rows_without_gradient(monkeypatch):
     assert grads(h, t, *ups)[1].isnan().any()
 
 
+@pytest.mark.slow(s=32)
 def test_batch_invariant_forward(monkeypatch):
     """INDUCTOR_XENT_BATCH_INVARIANT=1 (issue 25): each row's log-prob, entropy, argmax and
     logsumexp are the same bits computed in a batch of 21 rows and inside batches of 64 and 100 rows

@@ -65,6 +65,7 @@ def _check(model_type):
     return row
 
 
+@pytest.mark.slow(s=157)
 @pytest.mark.parametrize("model_type", sorted(FUSED))
 def test_zoo_subset_fuses_exactly(model_type):
     row = _check(model_type)
