@@ -27,7 +27,8 @@
 #   e2e_sft the HF Llama step with half of each sequence a prompt (bench e2e --prompt 0.5)
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py)
 #   topk    the top-k head (k = 64, log-probs at T = 0.7) and the kept-set log-probs at llama3-8b against cuBLAS's
-#           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides)
+#           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides; TOPK_ROUNDS: then the forwards
+#           of cuBLAS and ours interleaved over that many rounds)
 #   mtp     multi-token prediction through one lm_head at llama3-8b, main head + 1 depth (bench_mtp.py):
 #           compile, the pass's one shared op, one op per site, cuBLAS (MTP_DEPTHS, MTP_ROUNDS override)
 #   bicost  INDUCTOR_XENT_BATCH_INVARIANT=1 against off at the qwen2.5-7b RL head, forward and step, 3 rounds
@@ -140,7 +141,7 @@ for step in ${STEPS//,/ }; do
                    --out "$OUT/modes" 2>&1 | grep -v "it/s\]" | tee "$OUT/e2e_modes.log" | tail -16 ;;
         distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick ${DISTILL_METHODS:+--methods $DISTILL_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
-        topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick ${TOPK_METHODS:+--methods $TOPK_METHODS} --out "$OUT" 2>&1 \
+        topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick --rounds ${TOPK_ROUNDS:-0} ${TOPK_METHODS:+--methods $TOPK_METHODS} --out "$OUT" 2>&1 \
                    | tee "$OUT/topk.log" | grep -E "^\||^target|rror" ;;
         mtp)   timeout ${MTP_S:-200} python3 benchmarks/bench_mtp.py --quick --depths ${MTP_DEPTHS:-1} --rounds ${MTP_ROUNDS:-3} \
                    --out "$OUT" 2>&1 | tee "$OUT/mtp.log" | grep -E "^\||^mtp|rror" ;;

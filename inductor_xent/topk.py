@@ -49,8 +49,10 @@ from .options import compute_dtype
 BYTES_PER_LOGIT = 2 + 4 + 4
 # a chunk's working set on a GPU: GEMMs of a few thousand rows run near cuBLAS's peak
 CUDA_CHUNK_BYTES = 2 * 2**30
-# columns per block of row_topk's prefilter (llama3's 128256 = 1002 blocks)
-BLOCK = 128
+# columns per block of row_topk's prefilter (llama3's 128256 = 4008 blocks). H100, llama3-8b, k = 64,
+# forward medians of 3 rounds: 32 columns 13.79 ms, 64 13.94, 128 14.10 (the GEMM 11.81; NOTES.md,
+# wave 3 seventh session): fewer candidates (k·BLOCK) for the second torch.topk, more maxima for the first
+BLOCK = 32
 
 
 class TopK(NamedTuple):
@@ -89,7 +91,8 @@ def row_topk(z: Tensor, k: int, blocks: Optional[bool] = None, maxima: Optional[
         top = torch.topk(z, k, dim=-1)
         return top.values, top.indices
     tiles = z[:, : whole * BLOCK].unflatten(1, (whole, BLOCK))
-    picked = torch.topk(tiles.amax(-1) if maxima is None else maxima, k, dim=-1).indices  # (n, k) block numbers
+    # (n, k) block numbers, in any order (the candidates' own top-k sorts)
+    picked = torch.topk(tiles.amax(-1) if maxima is None else maxima, k, dim=-1, sorted=False).indices
     candidates = tiles.gather(1, picked[..., None].expand(n, k, BLOCK)).flatten(1)
     if whole * BLOCK < v:  # the partial block: always a candidate
         candidates = torch.cat([candidates, z[:, whole * BLOCK:]], 1)
