@@ -106,7 +106,7 @@ def linear_log_probs(
     strategy: Optional[str] = None,
     store_budget: Optional[str | int] = None,
     top_k: Optional[int | Tensor] = None,
-    top_p: Optional[float] = None,
+    top_p: Optional[float | Tensor] = None,
 ) -> LogProbs:
     """Per-token log-probabilities of ``target`` (and optionally the entropy and the argmax) of a
     linear layer's output at a sampling temperature, without materialising the ``[N, V]`` logits:
@@ -158,7 +158,9 @@ def linear_log_probs(
     logits; its backward recomputes them; ``strategy`` does not apply); a per-row ``top_k`` costs
     one host synchronisation (the op's k is the largest).
 
-    ``top_p`` (in (0, 1]) replays nucleus sampling: the kept set is each row's smallest prefix of
+    ``top_p`` (in (0, 1]; or a floating tensor of ``target``'s shape, one per row, as a rollout
+    engine's per-request sampling parameters, checked on CPU only) replays nucleus sampling: the kept
+    set is each row's smallest prefix of
     logits, largest first, whose probability reaches ``top_p`` (after ``top_k`` when both are given,
     renormalised over the top-k first, as vLLM and HF apply them; a column is kept while the mass
     before it is below ``top_p``). The log-probs are over that set (``−inf`` outside it), with
@@ -181,9 +183,11 @@ def linear_log_probs(
                              "without top_p for them")
         if isinstance(top_k, Tensor) and top_k.shape != target.shape:
             raise ValueError(f"a top_k tensor must have target's shape {tuple(target.shape)}, got {tuple(top_k.shape)}")
+        if isinstance(top_p, Tensor) and top_p.shape != target.shape:
+            raise ValueError(f"a top_p tensor must have target's shape {tuple(target.shape)}, got {tuple(top_p.shape)}")
         lp = _topk.nucleus(hidden2d, weight, bias, target.reshape(-1),
-                           top_k.reshape(-1) if isinstance(top_k, Tensor) else top_k, top_p, scale, cap,
-                           int(ignore_index))
+                           top_k.reshape(-1) if isinstance(top_k, Tensor) else top_k,
+                           top_p.reshape(-1) if isinstance(top_p, Tensor) else top_p, scale, cap, int(ignore_index))
         return LogProbs(lp.view(target.shape), None, None)
     if top_k is not None:
         if isinstance(top_k, Tensor) and top_k.shape != target.shape:

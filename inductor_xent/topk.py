@@ -39,6 +39,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 
 from . import config, options, strategy
 from .ops import _without_autocast
@@ -325,25 +326,28 @@ TOPK_BACKWARD = torch.ops.inductor_xent.linear_topk_bwd.default
 # ---------------------------------------------------------------------------------------------
 # top-p (nucleus) kept sets: each chunk's logits sorted, the kept prefix, its logsumexp
 # ---------------------------------------------------------------------------------------------
-def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], top_p: float) -> Tensor:
+def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float) -> Tensor:
     """The kept mask over one chunk's logits sorted in descending order (``s``, compute dtype): the
     first ``k_rows`` columns of each row (all without it), then of those the smallest prefix whose
-    renormalised probability reaches ``top_p`` (a column is kept while the mass before it is below
-    ``top_p``: the first always; HF's and vLLM's rule, ``cumsum(ascending) <= 1 − top_p`` removed)."""
+    renormalised probability reaches the row's ``p_rows`` (without it ``top_p``; a column is kept
+    while the mass before it is below it: the first always; HF's and vLLM's rule, ``cumsum(ascending)
+    <= 1 − top_p`` removed). A row's p of 1 keeps every column, as a float ``top_p`` of 1 does."""
     keep = torch.ones_like(s, dtype=torch.bool)
     if k_rows is not None:
         keep &= torch.arange(s.shape[1], device=s.device)[None, :] < k_rows[:, None]
-    if top_p < 1.0:
+    if p_rows is not None or top_p < 1.0:
         p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
-        keep &= (p.cumsum(-1) - p) < top_p
+        bound = top_p if p_rows is None else torch.where(p_rows >= 1.0, float("inf"), p_rows.to(s.dtype))[:, None]
+        keep &= (p.cumsum(-1) - p) < bound
+    keep[:, 0] = True  # the largest column always (a p <= 0 would keep none)
     return keep
 
 
-def _nucleus_chunk(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index):
+def _nucleus_chunk(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
     """(u, x, kept mask in column order, lse over the kept columns, the target kept) of one row chunk."""
     u, x = _scaled(F.linear(hidden, weight, bias), logit_scale, softcap)
     s, order = torch.sort(u, dim=-1, descending=True, stable=True)  # stable: the same ties every pass
-    keep_sorted = _kept_sorted(s, k_rows, top_p)
+    keep_sorted = _kept_sorted(s, k_rows, p_rows, top_p)
     lse = torch.logsumexp(s.masked_fill(~keep_sorted, float("-inf")), dim=-1)
     del s
     keep = torch.zeros_like(keep_sorted).scatter_(1, order, keep_sorted)
@@ -353,7 +357,11 @@ def _nucleus_chunk(hidden, weight, bias, target, k_rows, top_p, logit_scale, sof
     return u, x, keep, lse, t, hit, valid
 
 
-def _nucleus_forward(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index):
+def _rows(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+    return None if t is None else t[sl]
+
+
+def _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
     n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden.dtype)
     out = hidden.new_empty((n,), dtype=cd)
@@ -361,25 +369,24 @@ def _nucleus_forward(hidden, weight, bias, target, k_rows, top_p, logit_scale, s
     step = chunk_rows(n, v, hidden.device)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
-        u, _, _, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl],
-                                                     None if k_rows is None else k_rows[sl], top_p, logit_scale,
-                                                     softcap, ignore_index)
+        u, _, _, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl], _rows(k_rows, sl),
+                                                     _rows(p_rows, sl), top_p, logit_scale, softcap, ignore_index)
         rows = torch.where(hit, u.gather(1, t)[:, 0] - lse, float("-inf"))
         out[sl] = torch.where(valid, rows, 0.0)
         lse_all[sl] = lse
     return out, lse_all
 
 
-def _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index,
-                      needs):
+def _nucleus_backward(grad, hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap,
+                      ignore_index, needs):
     """d(log-prob over the kept set)/d(inputs) with the kept set a constant (as eager's masked_fill):
     du = g·(onehot(t)·[t kept] − p_kept), p_kept = softmax over the kept columns, 0 elsewhere."""
     g_all = grad.to(compute_dtype(hidden.dtype))
 
     def du_of(sl):
-        u, x, keep, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl],
-                                                        None if k_rows is None else k_rows[sl], top_p,
-                                                        logit_scale, softcap, ignore_index)
+        u, x, keep, lse, t, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl], _rows(k_rows, sl),
+                                                        _rows(p_rows, sl), top_p, logit_scale, softcap,
+                                                        ignore_index)
         g = torch.where(valid, g_all[sl], 0.0)[:, None]
         du = torch.where(keep, torch.exp(u - lse[:, None]), 0.0).mul_(-g)
         return du.scatter_add_(1, t, torch.where(hit[:, None], g, 0.0)), x
@@ -390,14 +397,15 @@ def _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_s
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob", mutates_args=())
 @_without_autocast
 def linear_nucleus_logprob(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                           k_rows: Optional[Tensor], top_p: float, logit_scale: float, softcap: Optional[float],
-                           ignore_index: int) -> tuple[Tensor, Tensor]:
-    """(log-probs over each row's top-k / top-p kept set, the kept set's logsumexp), (N,) each."""
-    return _nucleus_forward(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index)
+                           k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float, logit_scale: float,
+                           softcap: Optional[float], ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(log-probs over each row's top-k / top-p kept set, the kept set's logsumexp), (N,) each; the
+    nucleus mass is each row's ``p_rows`` (N,), or ``top_p`` for every row without it."""
+    return _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index)
 
 
 @linear_nucleus_logprob.register_fake
-def _(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index):
+def _(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
     cd = compute_dtype(hidden.dtype)
     return hidden.new_empty(hidden.shape[:1], dtype=cd), hidden.new_empty(hidden.shape[:1], dtype=cd)
 
@@ -405,15 +413,15 @@ def _(hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob_bwd", mutates_args=())
 @_without_autocast
 def linear_nucleus_logprob_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                               k_rows: Optional[Tensor], top_p: float, logit_scale: float, softcap: Optional[float],
-                               ignore_index: int, needs_hidden: bool, needs_weight: bool,
+                               k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float, logit_scale: float,
+                               softcap: Optional[float], ignore_index: int, needs_hidden: bool, needs_weight: bool,
                                needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _nucleus_backward(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index,
-                             (needs_hidden, needs_weight, needs_bias))
+    return _nucleus_backward(grad, hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap,
+                             ignore_index, (needs_hidden, needs_weight, needs_bias))
 
 
 @linear_nucleus_logprob_bwd.register_fake
-def _(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index, needs_hidden,
+def _(grad, hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index, needs_hidden,
       needs_weight, needs_bias):
     return (hidden.new_empty(hidden.shape) if needs_hidden else hidden.new_empty(0),
             weight.new_empty(weight.shape) if needs_weight else weight.new_empty(0),
@@ -421,22 +429,22 @@ def _(grad, hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, i
 
 
 def _nucleus_setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, k_rows, top_p, logit_scale, softcap, ignore_index = inputs
-    ctx.save_for_backward(hidden, weight, bias, target, k_rows)
+    hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index = inputs
+    ctx.save_for_backward(hidden, weight, bias, target, k_rows, p_rows)
     ctx.mark_non_differentiable(output[1])
     ctx.set_materialize_grads(False)
     ctx.options = (top_p, logit_scale, softcap, ignore_index)
 
 
 def _nucleus_autograd_backward(ctx, grad, _grad_lse):
-    hidden, weight, bias, target, k_rows = ctx.saved_tensors
+    hidden, weight, bias, target, k_rows, p_rows = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = need_b and bias is not None
     if grad is None or not (need_h or need_w or need_b):
-        return (None,) * 9
-    gh, gw, gb = linear_nucleus_logprob_bwd(grad, hidden, weight, bias, target, k_rows, *ctx.options, need_h, need_w,
-                                            need_b)
-    return gh if need_h else None, gw if need_w else None, gb if need_b else None, *(None,) * 6
+        return (None,) * 10
+    gh, gw, gb = linear_nucleus_logprob_bwd(grad, hidden, weight, bias, target, k_rows, p_rows, *ctx.options, need_h,
+                                            need_w, need_b)
+    return gh if need_h else None, gw if need_w else None, gb if need_b else None, *(None,) * 7
 
 
 linear_nucleus_logprob.register_autograd(_nucleus_autograd_backward, setup_context=_nucleus_setup_context)
@@ -515,21 +523,42 @@ def check_top_k(top_k: Union[int, Tensor], target: Tensor, v: int) -> int:
 
 
 def nucleus(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-            top_k: Optional[Union[int, Tensor]], top_p: float, logit_scale: float, softcap: Optional[float],
-            ignore_index: int) -> Tensor:
+            top_k: Optional[Union[int, Tensor]], top_p: Union[float, Tensor], logit_scale: float,
+            softcap: Optional[float], ignore_index: int) -> Tensor:
     """``linear_log_probs(..., top_p=)`` on 2-D inputs: the log-prob of ``target`` over each row's
     kept set, its ``top_k`` largest logits (all without ``top_k``) and of those the smallest prefix
-    whose renormalised probability reaches ``top_p`` (``_kept_sorted``); −inf where the target is
-    outside it, 0 on ignored rows (the op ``inductor_xent::linear_nucleus_logprob``: each row chunk's
-    logits sorted, O(chunk · V) memory)."""
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be a number in (0, 1], got {top_p!r}")
+    whose renormalised probability reaches ``top_p`` (one number, or a floating tensor of
+    ``target``'s shape: one per row, as a rollout engine's per-request sampling parameters;
+    ``_kept_sorted``); −inf where the target is outside it, 0 on ignored rows (the op
+    ``inductor_xent::linear_nucleus_logprob``: each row chunk's logits sorted, O(chunk · V) memory)."""
+    p_rows = check_top_p(top_p, target)
     k_rows = None
     if top_k is not None:
         check_top_k(top_k, target, weight.shape[0])
         k_rows = top_k.to(device=hidden2d.device, dtype=torch.long) if isinstance(top_k, Tensor) else \
             torch.full(target.shape, top_k, dtype=torch.long, device=hidden2d.device)
-    return NUCLEUS(hidden2d, weight, bias, target, k_rows, float(top_p), logit_scale, softcap, ignore_index)[0]
+    if p_rows is not None:
+        p_rows = p_rows.to(device=hidden2d.device, dtype=torch.float32)
+    return NUCLEUS(hidden2d, weight, bias, target, k_rows, p_rows, 1.0 if p_rows is not None else float(top_p),
+                   logit_scale, softcap, ignore_index)[0]
+
+
+def check_top_p(top_p: Union[float, Tensor], target: Tensor) -> Optional[Tensor]:
+    """None for a number in (0, 1]; a tensor's (N,) rows for a floating tensor of ``target``'s shape
+    (its values checked, in (0, 1], where they can be read without a host synchronisation: on CPU);
+    else ValueError naming what is wrong."""
+    if isinstance(top_p, Tensor):
+        if top_p.shape != target.shape or not top_p.is_floating_point():
+            raise ValueError(f"a top_p tensor must hold floats, one per row of target {tuple(target.shape)}; "
+                             f"got {top_p.dtype} {tuple(top_p.shape)}")
+        if top_p.device.type == "cpu" and not is_fake(top_p) and top_p.numel():
+            bad = ~((top_p > 0) & (top_p <= 1))
+            if bool(bad.any()):
+                raise ValueError(f"every top_p must be in (0, 1], got {top_p[bad][:8].tolist()}")
+        return top_p.reshape(-1)
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be a number in (0, 1] or a tensor of one per row, got {top_p!r}")
+    return None
 
 
 def kept(hidden2d: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor, top_k: Union[int, Tensor],

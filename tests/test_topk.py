@@ -422,23 +422,30 @@ def _nucleus_eager(h, w, b, y, top_p, top_k, temperature, dtype=None):
         kth = srt[..., top_k - 1: top_k] if isinstance(top_k, int) else srt.gather(-1, (top_k - 1).unsqueeze(-1))
         u = u.masked_fill(u < kth, float("-inf"))
     s, idx = torch.sort(u, descending=False)
-    remove = s.softmax(-1).cumsum(-1) <= (1 - top_p)
+    # vLLM's per-request p: one per row, against each row's cumulative mass
+    bound = (1 - top_p).unsqueeze(-1).to(s.dtype) if isinstance(top_p, torch.Tensor) else 1 - top_p
+    remove = s.softmax(-1).cumsum(-1) <= bound
     remove[..., -1] = False
     u = u.masked_fill(remove.scatter(-1, idx, remove), float("-inf"))
     return u.log_softmax(-1).gather(-1, y.unsqueeze(-1)).squeeze(-1)
 
 
-@pytest.mark.parametrize("top_p, top_k", [(0.8, None), (0.5, 40), (0.95, "per_row"), (1.0, None)])
+@pytest.mark.parametrize("top_p, top_k", [(0.8, None), (0.5, 40), (0.95, "per_row"), (1.0, None), ("per_row", None),
+                                          ("per_row", "per_row")])
 def test_nucleus_log_probs_match_eager(top_p, top_k):
     """Log-probs over each row's top-p (after top-k) kept set against HF's warpers written out:
     −inf on the same rows, values and gradients (the −inf rows' too: eager pushes the kept logits
-    down there) within torch's own error, over several row chunks."""
+    down there) within torch's own error, over several row chunks. A per-row p (a tensor, vLLM's
+    per-request parameter) includes rows at p = 1 (every column kept)."""
     h, w, b, _ = _inputs(seed=31)
     gen = torch.Generator().manual_seed(32)
     with torch.no_grad():  # ids mostly sampled near the top (inside the kept sets), some not
         y = torch.topk(F.linear(h, w, b), 6).indices[..., 2]
         y[0] = torch.randint(0, V, y[0].shape, generator=gen)
     k = torch.randint(1, 60, y.shape, generator=gen) if top_k == "per_row" else top_k
+    if top_p == "per_row":
+        top_p = torch.rand(y.shape, generator=gen) * 0.9 + 0.05
+        top_p.view(-1)[::5] = 1.0
     g = torch.randn(y.shape, generator=gen)
     results = []
     for dtype in (torch.float64, torch.float32):
@@ -453,7 +460,8 @@ def test_nucleus_log_probs_match_eager(top_p, top_k):
         ours = _grads((lp.where(torch.isfinite(lp), 0.0) * g).sum(), lv, None, True), _grads((lp * g).sum(), lv, None)
     (e_lp, *e_grads), (s_lp, *s_grads) = results
     fin = torch.isfinite(e_lp)
-    assert torch.equal(torch.isfinite(lp), fin) and fin.any() and (top_p == 1.0 or (~fin).any())
+    assert torch.equal(torch.isfinite(lp), fin) and fin.any() and (
+        (~fin).any() if isinstance(top_p, torch.Tensor) or top_p < 1.0 else fin.all())
     assert torch.all(lp[~fin] == float("-inf"))
     assert_within_torch_error(lp[fin], s_lp[fin], e_lp[fin], what="log_probs")
     for which in range(2):
@@ -466,19 +474,27 @@ def test_nucleus_rejects():
     for bad in (0.0, 1.5, True):
         with pytest.raises(ValueError, match="top_p must be a number in"):
             inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=bad)
+    for bad, words in ((torch.full(y.shape, 0.9)[..., :-1], "must have target's shape"),
+                       (torch.ones(y.shape, dtype=torch.long), "must hold floats"),
+                       (torch.full(y.shape, 0.9).index_fill_(-1, torch.tensor([1]), 0.0), r"every top_p must be in \(0, 1\]"),
+                       (torch.full(y.shape, 1.5), r"every top_p must be in \(0, 1\]")):
+        with pytest.raises(ValueError, match=words):
+            inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=bad)
     with pytest.raises(ValueError, match="not computed with top_p"):
         inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=0.9, entropy=True)
 
 
-def test_opcheck_nucleus_ops():
+@pytest.mark.parametrize("per_row_p", [False, True])
+def test_opcheck_nucleus_ops(per_row_p):
     h, w, b, y = _inputs(seed=33)
     h2, y1 = h.reshape(-1, D), y.reshape(-1)
     k_rows = torch.full((N,), 30)
-    args = (h2.requires_grad_(), w.requires_grad_(), b, y1, k_rows, 0.9, 1.2, 4.0, -100)
+    p_rows = torch.rand(N, generator=torch.Generator().manual_seed(34)) * 0.9 + 0.05 if per_row_p else None
+    args = (h2.requires_grad_(), w.requires_grad_(), b, y1, k_rows, p_rows, 0.9, 1.2, 4.0, -100)
     torch.library.opcheck(topk.NUCLEUS, args)
     torch.library.opcheck(torch.ops.inductor_xent.linear_nucleus_logprob_bwd.default,
-                          (torch.randn(N), h2.detach(), w.detach(), b, y1, k_rows, 0.9, 1.2, 4.0, -100, True, True,
-                           True))
+                          (torch.randn(N), h2.detach(), w.detach(), b, y1, k_rows, p_rows, 0.9, 1.2, 4.0, -100, True,
+                           True, True))
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

@@ -88,8 +88,8 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
             if h.top_p < 1.0:  # a nucleus kept set (within the top-k when both)
                 k_rows = e.call(torch.full_like, t1d, h.k) if h.k else None
-                rows = e.getitem(e.call(topk.NUCLEUS, hidden2d, weight, bias, t1d, k_rows, float(h.top_p), *own,
-                                        int(h.ignore_index)), 0)
+                rows = e.getitem(e.call(topk.NUCLEUS, hidden2d, weight, bias, t1d, k_rows, None, float(h.top_p),
+                                        *own, int(h.ignore_index)), 0)
             else:
                 out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, *own, False)
                 rows = e.call(topk.kept_from_top, e.getitem(out, 0), e.getitem(out, 1), t1d, int(h.ignore_index))
