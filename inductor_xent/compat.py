@@ -15,6 +15,10 @@ Only the seams: what the package changes in Dynamo's behaviour, and why, is dyna
   ``logging.Logger`` method call whose bound method or ``__func__`` is in it) and
   ``nested_graph_breaks`` (a bool, off by default) exist in both (dynamo_tuning.py sets them);
   2.11's compilation-metrics log cannot write a function in the first (``loggable_function``).
+* TF32 for fp32 CUDA matmuls: 2.9+ has ``fp32_precision`` ("tf32" / "ieee" / "none": the legacy
+  flag decides) beside the legacy ``allow_tf32``, and reading ``allow_tf32`` raises once the new API
+  set "tf32" (HF's ``TrainingArguments`` sets ``torch.backends.fp32_precision`` on torch >= 2.9):
+  ``tf32_matmuls`` reads whichever decides; ``ieee_fp32_matmuls`` turns TF32 off for a block.
 * ``graph_retained``: whether the running backward keeps its graph (``retain_graph`` /
   ``create_graph``), from ``torch._C._autograd._get_current_graph_task_keep_graph`` (private, in
   both); where it is missing the answer is True, the safe one.
@@ -22,7 +26,8 @@ Only the seams: what the package changes in Dynamo's behaviour, and why, is dyna
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 import torch
@@ -138,6 +143,30 @@ def aot_eager(gm: torch.fx.GraphModule, example_inputs):
     from torch._dynamo.backends.debugging import aot_eager_decomp_partition
 
     return aot_eager_decomp_partition(gm, example_inputs)
+
+
+def tf32_matmuls() -> bool:
+    """Whether torch runs fp32 CUDA matmuls in TF32 now, whichever API set it (never reading the
+    legacy flag where it would raise)."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", "none")
+    if precision in ("tf32", "ieee"):
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)  # "none": the legacy flag decides, and reads without raising
+
+
+@contextlib.contextmanager
+def ieee_fp32_matmuls() -> Iterator[None]:
+    """fp32 CUDA matmuls in IEEE inside the block (a reference's, a test's), restored after, through
+    the API that reads back without raising."""
+    matmul = torch.backends.cuda.matmul
+    field = "fp32_precision" if hasattr(matmul, "fp32_precision") else "allow_tf32"
+    old = getattr(matmul, field)
+    setattr(matmul, field, "ieee" if field == "fp32_precision" else False)
+    try:
+        yield
+    finally:
+        setattr(matmul, field, old)
 
 
 def graph_retained() -> bool:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import inductor_xent
-from inductor_xent import reference, strategy
+from inductor_xent import compat, reference, strategy
 from inductor_xent.options import LossOptions, fold_temperature
 from inductor_xent.templates import configs, launch
 from inductor_xent.templates import forward as _forward
@@ -43,10 +43,15 @@ EPS = {torch.float32: 1e-6, torch.bfloat16: 1e-5}
 
 
 @pytest.fixture(autouse=True)
-def _ieee_fp32(monkeypatch):
-    """fp32 matmuls in IEEE on both sides (ours follows torch's allow_tf32, off by default)."""
-    if CUDA:
-        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def _ieee_fp32():
+    """fp32 matmuls in IEEE on both sides (ours follows torch's TF32 setting: compat.tf32_matmuls),
+    set through the API that reads back: once a test in the same process used the new one (HF's
+    TrainingArguments sets torch.backends.fp32_precision), the legacy allow_tf32 raises when read."""
+    if not CUDA:
+        yield
+        return
+    with compat.ieee_fp32_matmuls():
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1044,3 +1049,31 @@ def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
     assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
     monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
     assert launch.backward(gl, torch.zeros_like(gl), h, *args)[1].isnan().any()
+
+
+@pytest.mark.parametrize("how", ["global_tf32", "global_ieee", "matmul_tf32", "matmul_ieee", "legacy_true",
+                                 "legacy_false"])
+def test_fp32_dots_follow_either_tf32_api(how):
+    """TF32 for fp32 inputs as torch decides it, by either API: HF's TrainingArguments sets
+    ``torch.backends.fp32_precision`` (torch >= 2.9), after which reading the legacy ``allow_tf32``
+    raises; the launchers' choice must not (it did: an fp32 model trained by HF's Trainer on a GPU)."""
+    matmul = torch.backends.cuda.matmul
+    if not hasattr(matmul, "fp32_precision"):
+        pytest.skip("this torch has only the legacy allow_tf32")
+    old = (torch.backends.fp32_precision, matmul.fp32_precision, compat.tf32_matmuls())
+    try:
+        where, value = how.split("_")
+        if where == "legacy":
+            matmul.allow_tf32 = value == "true"
+        else:
+            (torch.backends if where == "global" else matmul).fp32_precision = value
+        tf32 = value in ("tf32", "true")
+        assert compat.tf32_matmuls() is tf32
+        assert launch._input_precision(torch.float32) == ("tf32" if tf32 else "ieee")
+        assert launch._input_precision(torch.bfloat16) == "tf32"
+        with compat.ieee_fp32_matmuls():
+            assert launch._input_precision(torch.float32) == "ieee"
+        assert compat.tf32_matmuls() is tf32
+    finally:
+        matmul.allow_tf32 = old[2]
+        torch.backends.fp32_precision, matmul.fp32_precision = old[:2]

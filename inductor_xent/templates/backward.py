@@ -200,7 +200,7 @@ def accumulate_grad_hidden(
 ) -> None:
     """acc += dz @ w with fp32 accumulation and an fp32 result (never rounded to the input dtype)."""
     if dz.dtype == torch.float32:
-        acc.addmm_(dz, w)  # fp32 GEMM; honours torch.backends.cuda.matmul.allow_tf32 like torch
+        acc.addmm_(dz, w)  # fp32 GEMM; honours torch's TF32 setting (compat.tf32_matmuls) like torch
     elif _cublas_fp32_out(dz.device, dz.dtype):
         torch.addmm(acc, dz, w, out_dtype=torch.float32, out=acc)
     else:

@@ -16,7 +16,7 @@ import torch
 import triton
 from torch import Tensor
 
-from .. import config
+from .. import compat, config
 from ..options import KERNEL_DTYPES, LossOptions, reduced, reduction_weights
 from . import configs, rows
 from .backward import accumulate_grad_hidden, grad_weight_chunk, lce_dlogits_kernel
@@ -45,8 +45,9 @@ def unsupported_reason(hidden: Tensor) -> Optional[str]:
 
 
 def _input_precision(dtype: torch.dtype) -> str:
-    """IEEE fp32 dots for fp32 inputs unless the user allowed TF32 for matmuls, as torch does."""
-    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+    """IEEE fp32 dots for fp32 inputs unless the user allowed TF32 for matmuls, as torch does (by either
+    of torch's APIs: compat.tf32_matmuls)."""
+    if dtype == torch.float32 and not compat.tf32_matmuls():
         return "ieee"
     return "tf32"
 
