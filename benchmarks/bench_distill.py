@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
 
 import inductor_xent  # noqa: E402
+from inductor_xent import compat  # noqa: E402
 
 TEMP = 2.0
 METHODS = ("cublas", "compile", "ours", "ours_compiled", "liger", "liger_chunked")
@@ -113,14 +114,10 @@ def measure(name, fn, hs, ws, ht, wt, device, quick):
 
 def reference(hs, ws, ht, wt, rows):
     """The spelling in fp32 (TF32 off) on the first ``rows`` rows, as bf16 inputs are."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    with compat.ieee_fp32_matmuls():  # TF32 off, by the API that reads back
         h, w = hs[:rows].float().requires_grad_(), ws.float().requires_grad_()
         loss = spelling(h, w, ht[:rows].float(), wt.float())
         return loss.detach(), *torch.autograd.grad(loss, (h, w))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def rel(x, ref):

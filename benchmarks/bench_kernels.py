@@ -155,16 +155,14 @@ def _build(name):
 
 def reference(h, w, t):
     """fp32 loss and grads (fp32 matmul, TF32 off) of the same bf16 inputs."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    from inductor_xent import compat
+
+    with compat.ieee_fp32_matmuls():  # TF32 off, by the API that reads back
         h32 = h.float().requires_grad_()
         w32 = w.float().requires_grad_()
         loss = _eager(h32, w32, t)
         gh, gw = torch.autograd.grad(loss, (h32, w32))
         return loss.detach(), gh, gw
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 def rel_err(x, ref):

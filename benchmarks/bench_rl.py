@@ -172,9 +172,9 @@ def reference(h, w, ids, up, rows):
     """The spelling in fp32 (TF32 off) on the bf16 inputs, ``rows`` rows at a time: log_probs,
     entropy, and grad_hidden / grad_weight for the lp backward (upstream ``up[0]`` on log_probs)
     and the lp+ent backward (``up`` on both), as {"lp", "ent", "dh_lp", "dw_lp", "dh_lpe", "dw_lpe"}."""
-    tf32 = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    from inductor_xent import compat
+
+    with compat.ieee_fp32_matmuls():  # TF32 off, by the API that reads back
         w32 = w.float().requires_grad_()
         ref = {"lp": [], "ent": [], "dh_lp": [], "dh_ent": []}
         dw_lp, dw_ent = torch.zeros_like(w32), torch.zeros_like(w32)
@@ -195,8 +195,6 @@ def reference(h, w, ids, up, rows):
         ref["dw_lp"], ref["dw_lpe"] = dw_lp, dw_lp + dw_ent
         ref["dh_lpe"] = ref["dh_lp"] + ref.pop("dh_ent")
         return ref
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
 
 
 # ---------------------------------------------------------------------------------------------
