@@ -5,6 +5,7 @@ eager's values and gradients and no [N, V] tensor left; declines with their reas
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -205,9 +206,48 @@ def _labels_first_sum(hs, ws, bs, ht, wt, y, **_):
                                                       reduction="sum") / (B * T)
 
 
+def _gjsd(student_logits, teacher_logits, beta, temperature, per_row=False):
+    """TRL's ``generalized_jsd_loss`` as its GKD trainer spells it (beta a 0-dim tensor; the mixture
+    through logsumexp of a stack; β = 0 / 1 plain KLs), without its labels mask (``jsd[mask]``
+    graph-breaks Dynamo), summed whole (or per row with ``per_row``)."""
+    ls = F.log_softmax(student_logits / temperature, dim=-1)
+    lt = F.log_softmax(teacher_logits / temperature, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(ls, lt, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(lt, ls, reduction="none", log_target=True)
+    else:
+        beta = torch.tensor(beta, dtype=ls.dtype)
+        mixture = torch.logsumexp(torch.stack([ls + torch.log(1 - beta), lt + torch.log(beta)]), dim=0)
+        jsd = beta * F.kl_div(mixture, lt, reduction="none", log_target=True) \
+            + (1 - beta) * F.kl_div(mixture, ls, reduction="none", log_target=True)
+    return jsd.sum(-1) if per_row else jsd.sum() / (jsd.size(0) * jsd.size(1))
+
+
+def _trl_gjsd(hs, ws, ht, wt, beta=0.3, **_):
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    return _gjsd(s, t, beta, 2.0)
+
+
+def _trl_gjsd_masked_rows(hs, ws, ht, wt, y, **_):
+    """The mixture JSD per row (β as a Python number, the student's weight as a log of a number),
+    masked to the label positions by the user."""
+    ls = F.log_softmax(F.linear(hs, ws), -1)
+    lt = F.log_softmax(F.linear(ht, wt).detach(), -1)
+    mixture = torch.logsumexp(torch.stack([lt + math.log(0.6), ls + math.log(0.4)]), dim=0)
+    rows = (F.kl_div(mixture, ls, reduction="none", log_target=True) * 0.4
+            + 0.6 * F.kl_div(mixture, lt, reduction="none", log_target=True)).sum(-1)
+    mask = (y != -100).float()
+    return (rows * mask).sum() / mask.sum()
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
          "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
-         "labels_first_sum": _labels_first_sum}
+         "labels_first_sum": _labels_first_sum, "trl_gjsd": _trl_gjsd,
+         "trl_gjsd_beta0": functools.partial(_trl_gjsd, beta=0.0), "trl_gjsd_beta1": functools.partial(_trl_gjsd, beta=1.0),
+         "trl_gjsd_masked_rows": _trl_gjsd_masked_rows}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -222,6 +262,22 @@ def test_spelling_fuses_with_eager_values_and_gradients(name):
     assert fused_ops(rec.after[0]) == 0  # the distillation op, not the cross-entropy ones
     assert ops.DISTILL_FORWARD in rec.after[0]
     assert not logits_sized(rec.graphs, rows=B * T), "no [N, V] tensor is left in the graph"
+
+
+def test_mixture_jsd_names_its_beta_and_needs_matching_weights():
+    """The mixture JSD fuses as the op's jsd with the teacher's weight as β; a mixture whose weights
+    are not the KLs' coefficients is another loss, and no site."""
+    ins = _inputs()
+    assert "generalised JSD (beta=0.3)" in inductor_xent.explain(_trl_gjsd, **ins).sites[0].reason
+    assert "generalised JSD (beta=0.6)" in inductor_xent.explain(_trl_gjsd_masked_rows, **ins).sites[0].reason
+
+    def mismatched(hs, ws, ht, wt, **_):
+        ls, lt = F.log_softmax(F.linear(hs, ws), -1), F.log_softmax(F.linear(ht, wt).detach(), -1)
+        mixture = torch.logsumexp(torch.stack([ls + math.log(0.7), lt + math.log(0.3)]), dim=0)
+        return (0.5 * F.kl_div(mixture, lt, reduction="none", log_target=True)
+                + 0.5 * F.kl_div(mixture, ls, reduction="none", log_target=True)).sum()
+
+    assert not any(s.pattern == "distillation" for s in inductor_xent.explain(mismatched, **ins).sites)
 
 
 def test_teacher_under_no_grad_gets_no_gradient():

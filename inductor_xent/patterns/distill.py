@@ -10,7 +10,18 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
   ``input.size(0)``), ``sum``, ``mean`` (over every element), or ``none`` followed by ``.sum(-1)`` (per
   row, the user's masking and reduction kept);
 * ``(p * (log_p - log_q)).sum(-1)`` with ``p`` the softmax (or ``exp``) of ``log_p``: KL(p ‖ q) per
-  row, the reverse KL of TRL's and verl's RL code when the student is ``p``.
+  row, the reverse KL of TRL's and verl's RL code when the student is ``p``;
+* ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
+  ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows);
+* TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
+
+      m = torch.logsumexp(torch.stack([lq + torch.log(1 - beta), lp + torch.log(beta)]), dim=0)
+      jsd = beta * F.kl_div(m, lp, reduction="none", log_target=True) \
+          + (1 - beta) * F.kl_div(m, lq, reduction="none", log_target=True)
+
+  summed whole or per row (``.sum(-1)``), ``beta`` a Python number or ``torch.tensor(number)``:
+  ``jsd`` with that β (``distill.py``), each head's weight in the mixture equal to its KL's
+  coefficient (else no site).
 
 The student's hard-label cross-entropy added to the divergence (``α * F.cross_entropy(s.view(-1, V),
 y.view(-1)) + (1 - α) * kd * T**2``, either order, each side scaled by Python numbers; the
@@ -26,6 +37,7 @@ to the logits, heads over two vocabularies, logits with other users.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Optional, Union
 
@@ -45,6 +57,9 @@ SUB = (operator.sub, torch.sub, "sub")
 MUL = (operator.mul, torch.mul, "mul")
 DIV = (operator.truediv, torch.div, "div")
 ADD = (operator.add, torch.add, "add")
+LOG = (torch.log, "log")
+STACK = (torch.stack,)
+LOGSUMEXP = (torch.logsumexp, "logsumexp")
 
 
 def run(gm: GraphModule, log) -> list:
@@ -101,12 +116,22 @@ def _match(node: Node) -> Union[dict, Decline, None]:
     # per row: kl_div(..., reduction="none").sum(-1), or (P * (log_p - log_q)).sum(-1)
     src = arg(node, 0, "input")
     dim = arg(node, 1, "dim")
+    if dim is None and len(node.args) <= 1 and not node.kwargs and isinstance(src, Node):  # a whole sum
+        if is_call(src, KL_DIV) and arg(src, 3, "reduction", "mean") == "none":
+            inner = _match_kl_none(src)
+            return None if inner is None else dict(inner, reduce="sum", out=node, inp=src,
+                                                   nodes=(node, *inner["nodes"]))
+        jsd = _match_mixture_jsd(src)
+        return None if jsd is None else dict(jsd, reduce="sum", out=node, inp=src, nodes=(node, *jsd["nodes"]))
     if not isinstance(src, Node) or tval(src) is None or norm_dim(dim, tval(src).dim()) != tval(src).dim() - 1 \
             or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype") is not None:
         return None
     if is_call(src, KL_DIV) and arg(src, 3, "reduction", "mean") == "none":
         inner = _match_kl_none(src)
         return None if inner is None else dict(inner, reduce="none", out=node, nodes=(node, *inner["nodes"]))
+    if is_call(src, ADD):
+        jsd = _match_mixture_jsd(src)
+        return None if jsd is None else dict(jsd, reduce="none", out=node, nodes=(node, *jsd["nodes"]))
     if is_call(src, MUL) and len(src.args) == 2 and not src.kwargs:
         for prob, diff in (src.args, reversed(src.args)):
             if not (is_call(diff, SUB) and len(diff.args) == 2 and not diff.kwargs):
@@ -130,6 +155,86 @@ def _match_kl_none(kl: Node) -> Optional[dict]:
     if q is None or p is None:
         return None
     return dict(q=q, p=p, nodes=(kl, *lq.nodes, *lp.nodes))
+
+
+def _number(x) -> Optional[tuple[float, tuple]]:
+    """(value, the nodes computing it) of a scalar constant: a Python number, ``torch.tensor(number)``,
+    and ``1 - x``, ``x * y``, ``torch.log(x)`` of such (TRL's ``beta``, ``1 - beta``, ``log(beta)``)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, Node)):
+        return None
+    if not isinstance(x, Node):
+        return float(x), ()
+    if is_call(x, (torch.tensor,)) and len(x.args) == 1 and set(x.kwargs) <= {"dtype", "device"}:
+        v = x.args[0]
+        return (float(v), (x,)) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    if (is_call(x, SUB) or is_call(x, MUL)) and len(x.args) == 2 and not x.kwargs:
+        a, b = _number(x.args[0]), _number(x.args[1])
+        if a is None or b is None:
+            return None
+        return (a[0] - b[0] if is_call(x, SUB) else a[0] * b[0]), (x, *a[1], *b[1])
+    if is_call(x, LOG) and len(x.args) == 1 and not x.kwargs:
+        a = _number(x.args[0])
+        return None if a is None or a[0] <= 0 else (math.log(a[0]), (x, *a[1]))
+    return None
+
+
+def _match_mixture_jsd(jsd: Node) -> Optional[dict]:
+    """TRL's generalised JSD written through the mixture (module docstring): {"q", "p", "kind": "jsd",
+    "beta", "nodes"} with ``beta`` the weight of the ``p`` head in the mixture and on its KL (``p`` the
+    frozen head where one is: the teacher, as the op names it; else the stack's second item), or None."""
+    if not is_call(jsd, ADD) or len(jsd.args) != 2 or jsd.kwargs:
+        return None
+    coef, kls, nodes = {}, {}, [jsd]
+    for term in jsd.args:  # beta * kl_div(m, lp_h, none, log_target=True), either order
+        if not (is_call(term, MUL) and len(term.args) == 2 and not term.kwargs):
+            return None
+        kl = next((a for a in term.args if is_call(a, KL_DIV)), None)
+        c = _number(term.args[0] if term.args[1] is kl else term.args[1]) if kl is not None else None
+        if c is None or arg(kl, 3, "reduction", "mean") != "none" or not arg(kl, 4, "log_target", False) \
+                or arg(kl, 2, "size_average") is not None or kl.kwargs.get("reduce") is not None:
+            return None
+        target = arg(kl, 1, "target")
+        coef[target], kls[target] = c[0], kl
+        nodes += [term, kl, *c[1]]
+    mixes = {arg(kl, 0, "input") for kl in kls.values()}
+    m = next(iter(mixes))
+    if len(kls) != 2 or len(mixes) != 1 or not is_call(m, LOGSUMEXP) or arg(m, 1, "dim") not in (0, [0], (0,)) \
+            or arg(m, 2, "keepdim", False):
+        return None
+    stack = arg(m, 0, "input")
+    if not is_call(stack, STACK) or arg(stack, 1, "dim", 0) != 0 or len(arg(stack, 0, "tensors")) != 2:
+        return None
+    heads, weights = [], []
+    nodes += [m, stack]
+    for item in arg(stack, 0, "tensors"):  # log p_h + log(w_h), either order
+        if not (is_call(item, ADD) and len(item.args) == 2 and not item.kwargs):
+            return None
+        lp = next((a for a in item.args if a in kls), None)
+        c = _number(item.args[0] if item.args[1] is lp else item.args[1]) if lp is not None else None
+        if c is None:
+            return None
+        heads.append(lp)
+        weights.append(math.exp(c[0]))
+        nodes += [item, *c[1]]
+    if heads[0] is heads[1] or not all(math.isclose(w, coef[h], rel_tol=1e-6) for h, w in zip(heads, weights)) \
+            or not math.isclose(sum(weights), 1.0, rel_tol=1e-6) or not 0.0 < weights[1] < 1.0:
+        return None
+    lq, lp = (log_probs_of(h) for h in heads)
+    q, p = _head(lq), _head(lp)
+    if q is None or p is None:
+        return None
+    beta = weights[1]
+    if _frozen(q) > _frozen(p):  # the teacher's role to the frozen head, β its weight
+        q, p, lq, lp, beta = p, q, lp, lq, weights[0]
+    return dict(q=q, p=p, kind="jsd", beta=beta, nodes=(*nodes, *lq.nodes, *lp.nodes))
+
+
+def _frozen(c) -> int:
+    """How surely a head is the frozen teacher: 2 detached (``.detach()``, ``torch.no_grad()``), 1
+    without gradient (its inputs need none), 0 trained."""
+    if not isinstance(c, _logits.LogitsChain):
+        return 0
+    return 2 if c.detached else 0 if tval(c.matmul).requires_grad else 1
 
 
 def _by_number(node: Node) -> Optional[tuple[Node, float]]:
@@ -266,15 +371,16 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
     ht, wt, bt = _operands(e, p)
     needs = [bool(t is not None and tval(t).requires_grad) for t in (hs, ws, bs, ht, wt, bt)]
     reduce, mix = f["reduce"], f.get("mix")
+    kind, beta = f.get("kind", "forward_kl"), float(f.get("beta", 0.5))
     op_reduction = "none" if reduce == "none" else "sum"
     if mix is not None:  # soft · Σ KL / divisor + hard · the mean cross-entropy, every row's KL counted
         target = mix["target"] if tval(mix["target"]).dim() == 1 else e.method("reshape", mix["target"], -1)
-        out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], "forward_kl", 0.5,
+        out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
                      float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False)
         node = mix["add"]
     else:
         out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, None, -100,
-                     "forward_kl", 0.5, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
+                     kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
     value = e.getitem(out, 0)
     if mix is not None:
         pass
@@ -294,7 +400,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
             if t is not None and n in (q.matmul, p.matmul):
                 avoided += t.numel() * t.element_size()
             graph.erase_node(n)
-    return _report.SiteReport(PATTERN, True, f"fused: KL(p || q) of two lm_heads in one op, reduction={reduce}, "
+    what = "KL(p || q)" if kind == "forward_kl" else f"generalised JSD (beta={beta:g})"
+    return _report.SiteReport(PATTERN, True, f"fused: {what} of two lm_heads in one op, reduction={reduce}, "
                               f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
                               + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
                                  f"{mix['soft']:g} · Σ KL)" if mix else "")
