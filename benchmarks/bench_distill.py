@@ -184,8 +184,8 @@ def main(argv=None):
         ratio = f"{r['ms'] / base['ms']:.3f}" if base else "-"
         e = r["errors"]
         mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
-        print(f"| {r['method']} | {r['ms']:.2f} | {ratio} | {mib} | {e.get('loss', 0):.2e} | "
-              f"{e.get('grad_hidden', 0):.2e} | {e.get('grad_weight', 0):.2e} |")
+        cells = " | ".join("n/a" if k not in e else f"{e[k]:.2e}" for k in ("loss", "grad_hidden", "grad_weight"))
+        print(f"| {r['method']} | {r['ms']:.2f} | {ratio} | {mib} | {cells} |")  # n/a: not comparable (Liger's)
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = dict(shape=[n, ds, dt, v], dtype=str(dtype), temperature=TEMP, torch=torch.__version__,
