@@ -146,13 +146,22 @@ def aot_eager(gm: torch.fx.GraphModule, example_inputs):
 
 
 def tf32_matmuls() -> bool:
-    """Whether torch runs fp32 CUDA matmuls in TF32 now, whichever API set it (never reading the
-    legacy flag where it would raise)."""
+    """Whether torch runs fp32 CUDA matmuls in TF32 now, whichever API set it, never reading the
+    legacy flag where the new API decides (reading it then raises). "none" inherits from the level
+    above: 2.13 reports the inherited value at the matmul level, 2.11 its own "none" (a global
+    "tf32" set by HF's TrainingArguments failed this test on the GPU box until the levels above were
+    read); with every level "none" the legacy flag decides."""
     matmul = torch.backends.cuda.matmul
-    precision = getattr(matmul, "fp32_precision", "none")
-    if precision in ("tf32", "ieee"):
-        return precision == "tf32"
-    return bool(matmul.allow_tf32)  # "none": the legacy flag decides, and reads without raising
+    if not hasattr(matmul, "fp32_precision"):
+        return bool(matmul.allow_tf32)
+    for level in (matmul, torch.backends.cuda, torch.backends):
+        precision = getattr(level, "fp32_precision", "none")
+        if precision in ("tf32", "ieee"):
+            return precision == "tf32"
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:  # a mix this function does not know: torch's float32 matmul precision
+        return torch.get_float32_matmul_precision() != "highest"
 
 
 @contextlib.contextmanager

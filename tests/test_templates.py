@@ -1074,6 +1074,31 @@ def test_fp32_dots_follow_either_tf32_api(how):
         with compat.ieee_fp32_matmuls():
             assert launch._input_precision(torch.float32) == "ieee"
         assert compat.tf32_matmuls() is tf32
-    finally:
-        matmul.allow_tf32 = old[2]
+    finally:  # the new API's levels first, then the legacy flag only where it still differs
         torch.backends.fp32_precision, matmul.fp32_precision = old[:2]
+        if compat.tf32_matmuls() is not old[2]:
+            matmul.allow_tf32 = old[2]
+
+
+def test_tf32_read_where_the_matmul_level_reports_none(monkeypatch):
+    """torch 2.11 reports the matmul level's own "none" under a global "tf32" (2.13 the inherited
+    value) and raises on the legacy read: the level above decides (the GPU box failed the test above
+    at global_tf32 before it was read)."""
+    class Matmul:  # 2.11's view of torch.backends.cuda.matmul under HF's global setting
+        fp32_precision = "none"
+
+        @property
+        def allow_tf32(self):
+            raise RuntimeError("you have used mix of the legacy and new APIs to set the TF32 status")
+
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has only the legacy allow_tf32")
+    old = torch.backends.fp32_precision
+    monkeypatch.setattr(torch.backends.cuda, "matmul", Matmul())
+    try:
+        for precision, tf32 in (("tf32", True), ("ieee", False)):
+            torch.backends.fp32_precision = precision
+            assert compat.tf32_matmuls() is tf32
+            assert launch._input_precision(torch.float32) == ("tf32" if tf32 else "ieee")
+    finally:
+        torch.backends.fp32_precision = old
