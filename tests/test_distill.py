@@ -280,6 +280,32 @@ def test_mixture_jsd_names_its_beta_and_needs_matching_weights():
     assert not any(s.pattern == "distillation" for s in inductor_xent.explain(mismatched, **ins).sites)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_mixture_jsd_under_autocast_within_eager_autocast_error():
+    """TRL's GKD loss as HF Trainer's bf16 runs it (CPU autocast): fused, the loss and the student's
+    gradients within eager autocast's error against float64 of the bf16-rounded operands."""
+    ins = _inputs()
+    leaves = ("hs", "ws")
+
+    def run(fn, dtype=None):
+        xs = {k: (v.detach().to(torch.bfloat16).to(dtype) if dtype and v.is_floating_point() else v.detach())
+              for k, v in ins.items()}
+        for k in leaves:
+            xs[k].requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is None):
+            out = fn(**xs)
+        return (out.float() if dtype is None else out), torch.autograd.grad(out, [xs[k] for k in leaves])
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert inductor_xent.explain(_trl_gjsd, **ins).fused_count == 1
+    exact, g_exact = run(_trl_gjsd, torch.float64)
+    eager, g_eager = run(_trl_gjsd)
+    ours, g_ours = run(torch.compile(_trl_gjsd, backend="inductor_xent"))
+    assert_within_torch_error(ours, eager, exact, what="loss")
+    for name, a, e, x in zip(leaves, g_ours, g_eager, g_exact):
+        assert_within_torch_error(a, e, x, what=f"grad {name}")
+
+
 def test_teacher_under_no_grad_gets_no_gradient():
     ins = {k: v.requires_grad_(v.is_floating_point()) for k, v in _inputs().items()}
     torch.compile(_hinton, backend="inductor_xent", options={"xent.inner": "aot_eager"})(**ins).backward()
