@@ -1,5 +1,8 @@
-"""Every ```python block of README.md runs on CPU as written. Blocks run in order in one shared
-namespace, as a reader pasting them into one session would."""
+"""Every ```python block of README.md runs on CPU as written. The blocks of each numbered Quickstart
+section (``### 1.`` to ``### 5.``) run in order in one namespace, after the first block (its
+imports and the model every section uses), as a reader pasting that section into a session would;
+the sections run as separate tests, so that pytest-xdist runs them side by side (one test of every
+block took 217 s on the GPU box, the suite's longest)."""
 
 import re
 import sys
@@ -10,17 +13,42 @@ import pytest
 import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+SECTION = re.compile(r"^### (\d+)\. ", flags=re.M)
+BLOCK = re.compile(r"```python\n(.*?)```", flags=re.S)
 
 
-@pytest.mark.slow(s=222)
-def test_readme_snippets_run(tmp_path, monkeypatch):
+def _sections() -> dict[str, list[tuple[int, str]]]:
+    """{section number: [(block index, code), ...]} for the python blocks after ``### N.`` headings
+    (a block before the first heading belongs to none)."""
+    text = README.read_text()
+    heads = [(m.start(), m.group(1)) for m in SECTION.finditer(text)]
+    out: dict[str, list[tuple[int, str]]] = {}
+    for index, m in enumerate(BLOCK.finditer(text)):
+        owner = [number for start, number in heads if start < m.start()]
+        if owner:
+            out.setdefault(owner[-1], []).append((index, m.group(1)))
+    return out
+
+
+SECTIONS = _sections()
+
+
+def test_readme_has_its_sections_and_examples():
+    assert sorted(SECTIONS) == ["1", "2", "3", "4", "5"], "README lost a Quickstart section"
+    assert sum(map(len, SECTIONS.values())) == len(BLOCK.findall(README.read_text())), \
+        "a python block sits outside the numbered sections: no test runs it"
+    assert len(SECTIONS["4"]) >= 3, "README lost its functional API examples"
+
+
+@pytest.mark.slow(s=120)
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("section", sorted(SECTIONS, key=lambda n: -len(SECTIONS[n])))
+def test_readme_snippets_run(section, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the Trainer example writes its output directory here
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 3, "README lost its code examples"
     module = types.ModuleType("readme")  # a real module: Dynamo (2.11) imports the code's __name__
     monkeypatch.setitem(sys.modules, "readme", module)
     namespace = module.__dict__
-    torch._dynamo.reset()
-    for index, code in enumerate(blocks):
+    first = SECTIONS["1"][0]
+    for index, code in ([first] if section != "1" else []) + SECTIONS[section]:
         exec(compile(code, f"README.md python block {index}", "exec"), namespace)
     torch._dynamo.reset()
