@@ -649,6 +649,62 @@ def test_hf_top_p_replay_fuses_with_eager_log_probs(keep_last, top_k):
         torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
 
 
+def _per_row_top_p(x, W, y, p, spelling):
+    """HF's warper with one top_p per row (a rollout engine's per-request parameter), at T = 0.7."""
+    u = F.linear(x, W).float() / 0.7
+    sorted_logits, sorted_indices = torch.sort(u, descending=False)
+    cumulative_probs = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    bound = (1 - p)[..., None] if spelling == "rsub_then_none" else 1 - p.unsqueeze(-1)
+    remove = cumulative_probs <= bound
+    remove[..., -1:] = 0
+    lp = u.masked_fill(remove.scatter(-1, sorted_indices, remove), -float("inf")).log_softmax(-1)
+    lp = lp.gather(-1, y[..., None]).squeeze(-1)
+    return torch.where(torch.isfinite(lp), lp, 0.0).sum(), lp.detach()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("spelling", ["rsub_then_none", "unsqueeze_then_rsub"])
+def test_per_row_top_p_replay_fuses_with_eager_log_probs(spelling):
+    """The warper's bound ``1 - p`` with one p per row (rows at p = 1 among them): the nucleus op with
+    the rows' masses, log-probs and gradients as eager's, the −inf at the same rows; also one p per
+    sequence (broadcast over its tokens) and a p that requires grad (a comparison passes none); a
+    bound other than ``1 - p`` is no site."""
+    h, w, _, y = _inputs(seed=9)
+    p = torch.rand(y.shape, generator=torch.Generator().manual_seed(3)) * 0.85 + 0.1
+    p[:, ::4] = 1.0
+    with torch.no_grad():  # ids sampled from each row's nucleus
+        u = F.linear(h, w).float() / 0.7
+        s, order = torch.sort(u, descending=True)
+        q = s.softmax(-1)
+        kept = (q.cumsum(-1) - q) < p[..., None]
+        probs = torch.zeros_like(u).scatter(-1, order, torch.where(kept, q, 0.0))
+        y = torch.multinomial(probs.flatten(0, 1), 1, generator=torch.Generator().manual_seed(4)).view(y.shape)
+        y[0, 1:3] = order[0, 1:3, -1]  # the smallest logits: outside the kept set (rows at p < 1)
+    fn = functools.partial(_per_row_top_p, spelling=spelling)
+    report = inductor_xent.explain(fn, h, w, y, p)
+    assert report.fused_count == 1 and "nucleus op (top_p=per row)" in report.sites[0].reason, report
+    lv, le = _leaves((h, w)), _leaves((h, w))
+    got, want = torch.compile(fn, backend="inductor_xent")(lv[0], lv[1], y, p), fn(le[0], le[1], y, p)
+    assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1])) and torch.isinf(want[1]).sum() == 2
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(torch.autograd.grad(got[0], lv[:2]), torch.autograd.grad(want[0], le[:2])):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-5)
+    for other in (p.clone().requires_grad_(), p[:, :1]):  # a p with grad; one p per sequence
+        got, want = torch.compile(fn, backend="inductor_xent")(h, w, y, other), fn(h, w, y, other)
+        assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+        assert "nucleus op (top_p=per row)" in inductor_xent.explain(fn, h, w, y, other).sites[0].reason
+
+    def shifted(x, W, y, p):  # 0.95 - p: not the warper's bound
+        u = F.linear(x, W).float() / 0.7
+        sorted_logits, sorted_indices = torch.sort(u, descending=False)
+        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (0.95 - p)[..., None]
+        u = u.masked_fill(remove.scatter(-1, sorted_indices, remove), -float("inf"))
+        return u.log_softmax(-1).gather(-1, y[..., None]).squeeze(-1)
+
+    assert not any(site.fused and "nucleus" in site.reason for site in inductor_xent.explain(shifted, h, w, y, p).sites)
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_top_p_spellings_the_op_does_not_run_are_left_alone():
     """``min_tokens_to_keep=2`` (``[..., -2:] = 0``) and a sort in descending order: no site, eager's

@@ -82,9 +82,10 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         len(main) > 1 and f"{len(main)} heads in one op call",
         *(f"top-k op (k={h.k}, of the {h.normalised.replace('_', '-')})" for h in tops),
         *(f"top-k op (k={h.k}) for the log-probs over the kept set" for h, _ in plan.heads
-          if h.kind == "kept" and h.top_p == 1.0),
-        *(f"nucleus op (top_p={h.top_p:g}{f', top_k={h.k}' if h.k else ''}) for the log-probs over the kept set"
-          for h, _ in plan.heads if h.kind == "kept" and h.top_p < 1.0),
+          if h.kind == "kept" and not h.nucleus),
+        *(f"nucleus op (top_p={'per row' if h.top_p_rows is not None else f'{h.top_p:g}'}"
+          f"{f', top_k={h.k}' if h.k else ''}) for the log-probs over the kept set"
+          for h, _ in plan.heads if h.nucleus),
         plan.log_probs_op and "log-probs op",
         ce is not None and f"reduction={ce.reduction}",
         plan.ignore_index != NO_IGNORE and f"ignore_index={plan.ignore_index}",

@@ -86,9 +86,16 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d))
         elif h.kind == "kept":
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
-            if h.top_p < 1.0:  # a nucleus kept set (within the top-k when both)
+            if h.nucleus:  # a nucleus kept set (within the top-k when both)
                 k_rows = e.call(torch.full_like, t1d, h.k) if h.k else None
-                rows = e.getitem(e.call(topk.NUCLEUS, hidden2d, weight, bias, t1d, k_rows, None, float(h.top_p),
+                p_rows = None
+                if h.top_p_rows is not None:  # one per row, expanded as the targets (topk._per_row_p)
+                    p_rows = e.method("detach", h.top_p_rows)
+                    if tval(h.target).dim() > tval(h.top_p_rows).dim():
+                        p_rows = e.method("unsqueeze", p_rows, -1)
+                    p_rows = e.method("to", e.method("reshape", e.method("expand_as", p_rows, h.target), -1),
+                                      torch.float32)
+                rows = e.getitem(e.call(topk.NUCLEUS, hidden2d, weight, bias, t1d, k_rows, p_rows, float(h.top_p),
                                         *own, int(h.ignore_index)), 0)
             else:
                 out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, *own, False)

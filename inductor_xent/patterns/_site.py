@@ -58,6 +58,12 @@ class Head:
     k: int = 0  # topk: how many per row; kept: the top-k kept set's (0: none)
     normalised: str = ""  # topk: of the "logits", "log_probs" or "probs"
     top_p: float = 1.0  # kept: the nucleus kept set's mass (1: none)
+    top_p_rows: Optional[Node] = None  # kept: one mass per row instead (the rows' shape), read by the op
+
+    @property
+    def nucleus(self) -> bool:
+        """A nucleus (top-p) kept set: one mass for every row, or one per row."""
+        return self.kind == "kept" and (self.top_p < 1.0 or self.top_p_rows is not None)
 
 
 @dataclass

@@ -16,12 +16,15 @@ top-k op and ``topk.kept_from_top`` on its values (eager keeps every column tied
 op the k that torch.topk returns). So are those of nucleus (top-p) sampling replayed, as HF's
 ``TopPLogitsWarper`` spells them (``_nucleus_set``), alone or after the top-k warper (HF's order): a
 ``kept`` head with ``top_p`` (and ``k``), the nucleus op (``inductor_xent::linear_nucleus_logprob``).
+The warper's bound may be one p per row, ``1 - p[..., None]`` with ``p`` of the rows' shape or
+broadcasting to it (``_per_row_p``: a rollout engine's per-request top_p): ``top_p_rows``.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import replace
+from typing import Optional
 
 import torch
 from torch.fx import Node
@@ -179,7 +182,12 @@ def _nucleus_set(node: Node):
     le = _only_user(cs) if cs is not None and is_call(cs, CUMSUM) and _last(cs, 1, t) else None
     if le is None or not is_call(le, LE) or le.args[0] is not cs:
         return None
-    bound = le.args[1]
+    bound, p_rows = le.args[1], None
+    if isinstance(bound, Node):  # one p per row: 1 - p[..., None] (or (1 - p).unsqueeze(-1)), p a float tensor
+        p_rows = _per_row_p(bound, t)
+        if p_rows is None:
+            return None
+        bound = 0.0
     if isinstance(bound, bool) or not isinstance(bound, (int, float)) or not 0.0 <= bound < 1.0:
         return None
     kept_last = [w for w in le.users if is_call(w, (operator.setitem,))]
@@ -202,8 +210,48 @@ def _nucleus_set(node: Node):
     head = log_softmax_nll.match(gather) if gather is not None and is_call(gather, log_softmax_nll.TARGETS) else None
     if not isinstance(head, Head) or head.kind != "log_probs" or head.logits is not masked:
         return None
-    return replace(head, pattern=PATTERN, logits=u, kind="kept", k=0, top_p=1.0 - bound, normalised="logits",
+    if p_rows is not None and tval(head.target).dim() - tval(p_rows).dim() not in (0, 1):
+        return None  # the rewrite expands p as the targets (the rows, maybe with the gather's trailing 1)
+    return replace(head, pattern=PATTERN, logits=u, kind="kept", k=0, top_p=1.0 if p_rows is not None else 1.0 - bound,
+                   top_p_rows=p_rows, normalised="logits",
                    consumed=(node, *items.values(), sm, cs, le, *kept_last, sc, masked, *head.consumed))
+
+
+UNSQUEEZE = (torch.unsqueeze, "unsqueeze")
+
+
+def _per_row_p(bound: Node, t) -> Optional[Node]:
+    """``p`` for a comparison bound of ``1 - p[..., None]``, ``1 - p.unsqueeze(-1)`` or ``(1 - p)[..., None]``
+    / ``.unsqueeze(-1)``: a float tensor that broadcasts to the rows' shape (``t``'s but the last
+    dimension: one nucleus mass per row, as vLLM keeps top_p per request, or per sequence); else None.
+    A comparison passes no gradient to ``p``: the op reads it detached."""
+    def trailing(n):  # n[..., None] or n.unsqueeze(-1): the node under it
+        if is_call(n, UNSQUEEZE) and norm_dim(arg(n, 1, "dim"), t.dim()) == t.dim() - 1:
+            return arg(n, 0, "input")
+        if is_call(n, (operator.getitem,)) and arg(n, 1, "index") in ((Ellipsis, None), (slice(None), None)):
+            return n.args[0]
+        return None
+
+    def one_minus(n):  # 1 - n (operator.sub(1, n), torch.rsub(n, 1))
+        if is_call(n, (operator.sub, torch.sub)) and len(n.args) == 2 and n.args[0] == 1 and not n.kwargs:
+            return n.args[1]
+        if is_call(n, (torch.rsub, "rsub")) and len(n.args) == 2 and n.args[1] == 1 and not n.kwargs:
+            return n.args[0]
+        return None
+
+    inner = trailing(bound)
+    p = one_minus(inner) if inner is not None else None
+    if p is None:
+        inner = one_minus(bound)
+        p = trailing(inner) if isinstance(inner, Node) else None
+    pv = tval(p) if isinstance(p, Node) else None
+    if pv is None or not pv.is_floating_point() or pv.dim() != t.dim() - 1:
+        return None
+    try:
+        rows = torch.broadcast_shapes(tuple(pv.shape), tuple(t.shape[:-1]))
+    except RuntimeError:
+        return None
+    return p if tuple(rows) == tuple(t.shape[:-1]) else None
 
 
 def _last(node: Node, at: int, t) -> bool:
