@@ -705,6 +705,30 @@ def test_per_row_top_p_replay_fuses_with_eager_log_probs(spelling):
     assert not any(site.fused and "nucleus" in site.reason for site in inductor_xent.explain(shifted, h, w, y, p).sites)
 
 
+def _vllm_top_p(x, W, y, p):
+    """vLLM's apply_top_k_top_p (top-p part) as a no-grad replay writes it: into the sorted logits,
+    a cumsum with out=, the sorted logits scattered back (autograd refuses the out=: no grad)."""
+    s, order = (F.linear(x, W).float() / 0.7).sort(dim=-1, descending=False)
+    probs = s.softmax(dim=-1)
+    mass = torch.cumsum(probs, dim=-1, out=probs)
+    removed = mass <= 1 - p.unsqueeze(dim=1)
+    removed[:, -1] = False
+    s.masked_fill_(removed, -float("inf"))
+    u = s.scatter(dim=-1, index=order, src=s)
+    return u.log_softmax(-1).gather(-1, y[:, None]).squeeze(-1)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_vllm_top_p_declines_and_says_what_fuses():
+    h, w, _, y = _inputs(seed=10)
+    h2, y1 = h.reshape(-1, D), y.reshape(-1).clamp(min=0)
+    p = torch.full(y1.shape, 0.9)
+    with torch.no_grad():
+        report = inductor_xent.explain(_vllm_top_p, h2, w, y1, p)
+    assert report.fused_count == 0 and report.sites, report
+    assert "vLLM's apply_top_k_top_p" in report.sites[0].reason and "top_p=" in report.sites[0].reason, report
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 def test_top_p_spellings_the_op_does_not_run_are_left_alone():
     """``min_tokens_to_keep=2`` (``[..., -2:] = 0``) and a sort in descending order: no site, eager's

@@ -284,11 +284,23 @@ def _unsupported_hint(node: Node) -> str:
                     "tensor; write it batched (logits.log_softmax(-1).gather(-1, ids[..., None])) to fuse")
         return (": an index that is not a slice of the leading dimensions (e.g. one of several stacked "
                 "heads; compute each head's loss from its own matmul to fuse)")
+    if _scatters_sorted(node):
+        return (": the sorted logits scattered back to their columns (vLLM's apply_top_k_top_p, which writes "
+                "into the sorted logits) are not fused; HF's warper spelling (the removed mask scattered, then "
+                "masked_fill on the logits) is, and so is linear_log_probs(..., top_k=, top_p=) with one p per row")
     if _steps.divides_by_a_tensor(node):
         return (": the logits are divided by a tensor that is not one factor per row (a per-row temperature "
                 "logits / T.unsqueeze(-1) folds), or by a symbolic number (a Python float Dynamo made dynamic); "
                 "a Python number or a [..., 1] tensor fold")
     return ""
+
+
+def _scatters_sorted(node: Node) -> bool:
+    """``s.scatter(-1, order, s)`` with ``s, order = z.sort(...)``: the sorted logits put back."""
+    if not is_call(node, (torch.scatter, "scatter")):
+        return False
+    src = arg(node, 0, "input")
+    return is_call(src, (operator.getitem,)) and is_call(src.args[0], (torch.sort, "sort"))
 
 
 def _is_linear_module(node: Node) -> bool:
