@@ -51,7 +51,7 @@ BYTES_PER_LOGIT = 2 + 4 + 4
 # a chunk's working set on a GPU: GEMMs of a few thousand rows run near cuBLAS's peak
 CUDA_CHUNK_BYTES = 2 * 2**30
 # columns per block of row_topk's prefilter (llama3's 128256 = 4008 blocks). H100, llama3-8b, k = 64,
-# forward medians of 3 rounds: 32 columns 13.79 ms, 64 13.94, 128 14.10 (the GEMM 11.81; NOTES.md,
+# forward medians of 3 rounds: 32 columns 13.79 ms, 64 14.06, 128 14.10 (the GEMM 11.81; NOTES.md,
 # wave 3 seventh session): fewer candidates (k·BLOCK) for the second torch.topk, more maxima for the first
 BLOCK = 32
 

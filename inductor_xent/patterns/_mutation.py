@@ -132,7 +132,7 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
         if isinstance(factor, Node):
             reads.setdefault(factor, "the per-row temperature")
     for h in heads:  # a nucleus head's per-row masses (eager reads them at its comparison)
-        if getattr(h, "top_p_rows", None) is not None:
+        if h.top_p_rows is not None:
             reads.setdefault(h.top_p_rows, "the per-row top_p")
     for n in logits:
         reads.setdefault(n, "the logits")

@@ -58,7 +58,7 @@ class Head:
     k: int = 0  # topk: how many per row; kept: the top-k kept set's (0: none)
     normalised: str = ""  # topk: of the "logits", "log_probs" or "probs"
     top_p: float = 1.0  # kept: the nucleus kept set's mass (1: none)
-    top_p_rows: Optional[Node] = None  # kept: one mass per row instead (the rows' shape), read by the op
+    top_p_rows: Optional[Node] = None  # kept: one mass per row instead (broadcasts to the rows' shape)
 
     @property
     def nucleus(self) -> bool:
