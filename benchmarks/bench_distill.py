@@ -1,7 +1,7 @@
 """Distillation head benchmark: Hinton KD between a student and a teacher lm_head (issue 25).
 
     python benchmarks/bench_distill.py [--shape 8192x4096x8192x128256] [--methods ...] [--out DIR]
-        [--quick] [--device cuda|cpu]
+        [--quick] [--rounds N] [--device cuda|cpu]
 
 The spelling timed (the teacher under ``torch.no_grad()``, T = 2, forward + backward w.r.t. the
 student's hidden states and weight)::
@@ -12,7 +12,9 @@ student's hidden states and weight)::
     loss = F.kl_div(F.log_softmax(s / T, -1), F.softmax(t / T, -1), reduction="batchmean") * T**2
 
 Methods: ``cublas`` the four GEMMs alone (student and teacher logits, dH, dW: the floor);
-``compile`` the spelling under torch.compile (Inductor); ``ours`` ``inductor_xent.linear_distillation_loss``;
+``compile`` the spelling under torch.compile (Inductor); ``ours`` ``inductor_xent.linear_distillation_loss``
+(on CUDA it keeps the student's gradient logits, ``distill.keeps_dz``); ``ours_acc`` the same with a store
+budget of 0 (row chunks adding into an fp32 weight-gradient accumulator);
 ``ours_compiled`` the spelling under ``torch.compile(backend="inductor_xent")`` (the pass fuses it);
 ``liger`` Liger-Kernel's ``LigerFusedLinearJSDLoss`` with ``jsd_beta=0`` (its forward-KL limit;
 teacher logits computed by Liger in chunks too), when installed.
@@ -21,7 +23,8 @@ Accounting: median of ``triton.testing.do_bench`` (bench_kernels.bench_ms); extr
 allocation during one call minus the allocation before it, minus the two gradient buffers. Errors:
 ‖x − ref‖/‖ref‖ of the loss and gradients against the spelling in fp32 (TF32 off) on the same
 bf16 inputs, at 1024 rows. Target (issue 25): fwd+bwd ≤ 1.00× torch.compile with ≤ 10 % of its
-extra memory.
+extra memory. ``--rounds N``: then the methods' fwd+bwd interleaved over N rounds (the order rotated
+each round), the median of the per-round ratios to torch.compile.
 
 ``--device cpu`` is a dry run on tiny shapes (it checks the harness, not the speed).
 """
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,7 +49,7 @@ import inductor_xent  # noqa: E402
 from inductor_xent import compat  # noqa: E402
 
 TEMP = 2.0
-METHODS = ("cublas", "compile", "ours", "ours_compiled", "liger", "liger_chunked")
+METHODS = ("cublas", "compile", "ours", "ours_acc", "ours_compiled", "liger", "liger_chunked")
 
 
 def spelling(hs, ws, ht, wt):
@@ -58,6 +62,19 @@ def spelling(hs, ws, ht, wt):
 def ours(hs, ws, ht, wt):
     return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), temperature=TEMP,
                                                   reduction="batchmean") * TEMP**2
+
+
+def ours_acc(hs, ws, ht, wt):
+    """``ours`` with a store budget of 0: the chunks add into an fp32 weight-gradient accumulator."""
+    old = os.environ.get("INDUCTOR_XENT_STORE_BUDGET")
+    os.environ["INDUCTOR_XENT_STORE_BUDGET"] = "0"
+    try:
+        return ours(hs, ws, ht, wt)
+    finally:
+        if old is None:
+            del os.environ["INDUCTOR_XENT_STORE_BUDGET"]
+        else:
+            os.environ["INDUCTOR_XENT_STORE_BUDGET"] = old
 
 
 def liger_fn(name):
@@ -103,6 +120,7 @@ def measure(name, fn, hs, ws, ht, wt, device, quick):
         ms = bk.bench_ms(run, quick, True)
         out, peak = bk.extra_peak_mib(run)
         grads = (hs.numel() + ws.numel()) * hs.element_size() / 2**20
+        RUNS[name] = run
         return ms, peak - grads, out
     times = []
     for _ in range(3):
@@ -110,6 +128,20 @@ def measure(name, fn, hs, ws, ht, wt, device, quick):
         out = run()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3, None, out
+
+
+RUNS = {}  # method -> its fwd+bwd closure (for --rounds)
+
+
+def interleaved(names, rounds, quick):
+    """Each method's fwd+bwd ms over ``rounds`` rounds, the order rotated each round, and the
+    per-round ratios of each to torch.compile."""
+    ms = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            ms[name].append(bk.bench_ms(RUNS[name], quick, True))
+    ratios = {name: [a / b for a, b in zip(ms[name], ms["compile"])] for name in names} if "compile" in ms else {}
+    return dict(ms=ms, ratios=ratios)
 
 
 def reference(hs, ws, ht, wt, rows):
@@ -131,6 +163,7 @@ def main(argv=None):
     ap.add_argument("--methods", default=",".join(METHODS), help="also ours@<MiB>: ours with that chunk working set")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rounds", type=int, default=0, help="then interleave the methods' fwd+bwd over N rounds")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     device = args.device
@@ -143,7 +176,7 @@ def main(argv=None):
     wt = (torch.randn(v, dt, generator=g, device=device) / dt**0.5).to(dtype)
     rows = min(n, 1024)
     ref = reference(hs, ws, ht, wt, rows)
-    fns = {"compile": torch.compile(spelling), "ours": ours,
+    fns = {"compile": torch.compile(spelling), "ours": ours, "ours_acc": ours_acc,
            "ours_compiled": torch.compile(spelling, backend="inductor_xent")}
     results = []
     for name in args.methods.split(","):
@@ -186,11 +219,22 @@ def main(argv=None):
         mib = "-" if r["extra_mib"] is None else f"{r['extra_mib']:.0f}"
         cells = " | ".join("n/a" if k not in e else f"{e[k]:.2e}" for k in ("loss", "grad_hidden", "grad_weight"))
         print(f"| {r['method']} | {r['ms']:.2f} | {ratio} | {mib} | {cells} |")  # n/a: not comparable (Liger's)
+    rounds = None
+    if args.rounds and RUNS:
+        rounds = interleaved([r["method"] for r in results if r["method"] in RUNS], args.rounds, args.quick)
+        print(f"| method | median fwd+bwd ms ({args.rounds} rounds) | rounds | median ratio to compile (per round) |")
+        print("|---|---|---|---|")
+        for name, times in rounds["ms"].items():
+            rs = rounds["ratios"].get(name)
+            ratio = "-" if not rs else f"{statistics.median(rs):.3f} (" + ", ".join(f"{x:.3f}" for x in rs) + ")"
+            print(f"| {name} | {statistics.median(times):.2f} | " + ", ".join(f"{t:.2f}" for t in times)
+                  + f" | {ratio} |")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = dict(shape=[n, ds, dt, v], dtype=str(dtype), temperature=TEMP, torch=torch.__version__,
                     device=torch.cuda.get_device_name() if device == "cuda" else "cpu", date=time.strftime("%F"))
-        Path(args.out, "bench_distill.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+        Path(args.out, "bench_distill.json").write_text(json.dumps(dict(meta=meta, results=results, rounds=rounds),
+                                                                   indent=1))
 
 
 def reference_like(fn, hs, ws, ht, wt, rows):

@@ -16,10 +16,20 @@ number of rows, as ``F.kl_div`` on a 2-D input). Users multiply by ``T**2`` them
 The op runs over row chunks (``chunk_rows``, sized from a memory budget): each chunk computes both
 heads' logits with one GEMM each, the divergence and, for a reduced loss, its gradient with respect
 to the student logits right away (``du``), turned into the student's hidden and weight gradients by
-two more GEMMs: four GEMMs in all, as torch.compile's graph, and nothing ``[N, V]`` is kept. The
-backward only scales those gradients by the incoming scalar. ``none`` (per-row incoming
-gradients) recomputes the chunks in the backward instead. The teacher gets gradients only when its
-inputs require them (then two more GEMMs per chunk).
+two more GEMMs: four GEMMs in all, as torch.compile's graph. The backward only scales those
+gradients by the incoming scalar. ``none`` (per-row incoming gradients) recomputes the chunks in the
+backward instead. The teacher gets gradients only when its inputs require them (then two more GEMMs
+per chunk).
+
+The weight gradient sums over every row, and a row's gradient is known only once its whole
+vocabulary is seen, so the chunks either add their share into an fp32 ``[V, Ds]`` accumulator (a
+read-modify-write of it per chunk, GEMMs of a chunk's rows) or keep the student's gradient logits
+``dz`` of every row in the logits' dtype (``keeps_dz``: on CUDA when only the student trains and
+``N·V`` of them fit the store budget): then each chunk's student GEMM writes into
+its rows of ``dz``, the chunk's math turns them into the gradient in place, and the hidden and
+weight gradients are one GEMM each over all rows at the end (as torch.compile's, rounded once), with
+only the teacher's logits of one chunk (``TEACHER_CHUNK_BYTES``) besides. A third way, recomputing the teacher's
+logits in a backward, would cost its GEMM (the largest of the four) twice.
 
 ``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
 scale_s, scale_t, reduction, needs, soft_weight=1.0, hard_weight=0.0, mask_divergence=True) -> (loss,
@@ -56,11 +66,33 @@ CHUNK_TENSORS = 8
 # 8192 x 4096, teacher D 8192, V 128256, Hinton KD fwd+bwd against torch.compile's 70.3 ms / 4946 MiB:
 # 1 GiB 112.8 ms; 2 GiB 84.7; 4 GiB 73.9 ms / 2217 MiB; 8 GiB 70.1 ms / 3050 MiB (benchmarks/RESULTS.md)
 CUDA_CHUNK_BYTES = 4 * 2**30
+# keeps_dz: the teacher's logits of one chunk, the only [rows, V] tensor besides the kept dz (a chunk's
+# math is one compiled kernel family that reads dz's rows and the teacher's and writes dz in place)
+TEACHER_CHUNK_BYTES = 128 * 2**20
+# where keeps_dz may keep them (the chunked CPU path bounds its memory by config.fallback_chunk_bytes)
+KEEP_DZ_DEVICES = ("cuda",)
 
 
-def chunk_rows(n: int, v: int, device: torch.device) -> int:
+def chunk_rows(n: int, v: int, device: torch.device, teacher_itemsize: int = 0) -> int:
+    """Rows per chunk; with ``teacher_itemsize`` (``keeps_dz``) those whose teacher logits fit
+    TEACHER_CHUNK_BYTES."""
+    if teacher_itemsize:
+        rows = TEACHER_CHUNK_BYTES // max(1, v * teacher_itemsize)
+        return max(1, min(n, rows - rows % 128 if rows >= 128 else rows))  # whole GEMM tiles
     budget = CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
     return max(1, min(n, budget // max(1, v * 4 * CHUNK_TENSORS)))
+
+
+def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grads: bool, needs) -> bool:
+    """Whether the chunks keep the student's gradient logits of every row (module docstring): on CUDA
+    (``KEEP_DZ_DEVICES``), when they form gradients (a reduced loss's forward, a per-row loss's
+    backward) for the student only, and the ``[N, V]`` gradient logits in ``dtype`` fit
+    ``config.store_budget()`` (default: their own size, what torch.compile keeps of the logits)."""
+    if device.type not in KEEP_DZ_DEVICES or not with_grads or not any(needs[:2]) or any(needs[3:]):
+        return False
+    kind, amount = config.parse_budget(config.store_budget())
+    size = n * v * torch.finfo(dtype).bits // 8
+    return size <= (amount * size if kind == "logits" else amount)
 
 
 def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: bool):
@@ -124,18 +156,30 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     return rows, dz_s, ce, dz_t
 
 
-_fused_chunk_math = None
+def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor], kind: str, beta: float,
+                     scale_s: float, scale_t: float, target: Optional[Tensor] = None, g_ce: Optional[Tensor] = None,
+                     ce_valid: Optional[Tensor] = None):
+    """``_chunk_math`` for ``keeps_dz``: ``dz`` holds the chunk's student logits and gets their
+    gradient in place; returns the rows (and the cross-entropy rows or None)."""
+    rows, dz_s, ce, _ = _chunk_math(dz, zt, g, valid, kind, beta, scale_s, scale_t, True, False, target, g_ce,
+                                    ce_valid)
+    dz.copy_(dz_s)
+    return rows, ce
 
 
-def _math_for(device: torch.device):
+_fused = {}
+
+
+def _math_for(device: torch.device, into: bool = False):
     """The chunk math: on CUDA compiled once by Inductor into a few fused kernels (eager PyTorch would
-    make a dozen passes over each [rows, V] chunk); eager elsewhere."""
-    global _fused_chunk_math
+    make a dozen passes over each [rows, V] chunk; ``into``: the last of them writes dz over the
+    student's logits); eager elsewhere."""
+    fn = _chunk_math_into if into else _chunk_math
     if device.type != "cuda":
-        return _chunk_math
-    if _fused_chunk_math is None:
-        _fused_chunk_math = torch.compile(_chunk_math, dynamic=False, fullgraph=True)
-    return _fused_chunk_math
+        return fn
+    if fn not in _fused:
+        _fused[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _fused[fn]
 
 
 def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -159,6 +203,10 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
     ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
+    keep = keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs)
+    if keep:
+        return _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad,
+                               needs, rows_out, ce_out, ce_grad, mask_divergence)
     step = chunk_rows(n, v, hs.device)
     grads = [None] * 6
     if row_grad is not None:
@@ -196,6 +244,38 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
         if grads[i] is not None:
             grads[i] = grads[i].to(t.dtype)
     return rows_out, ce_out, grads
+
+
+def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
+                    scale_t: float, row_grad: Tensor, needs: tuple, rows_out: Tensor, ce_out: Optional[Tensor],
+                    ce_grad: Optional[Tensor], mask_divergence: bool):
+    """``_chunks`` when ``keeps_dz``: the student's gradient logits of every row in one ``[N, V]``
+    tensor (each chunk's GEMM writes its logits there, its math their gradient over them), the
+    student's gradients from all of it at the end."""
+    n, v = hs.shape[0], ws.shape[0]
+    dz = torch.empty(n, v, dtype=hs.dtype, device=hs.device)
+    step = chunk_rows(n, v, hs.device, teacher_itemsize=ht.element_size())
+    math_fn = _math_for(hs.device, into=True)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        part = dz[sl]
+        if bs is None:
+            torch.mm(hs[sl], ws.t(), out=part)
+        else:
+            torch.addmm(bs, hs[sl], ws.t(), out=part)
+        zt = F.linear(ht[sl], wt, bt)
+        labelled = None if target is None else (target[sl] != ignore_index)
+        rows_out[sl], ce_rows = math_fn(part, zt, row_grad[sl], labelled if mask_divergence else None, kind, beta,
+                                        scale_s, scale_t, target[sl] if ce_out is not None else None,
+                                        None if ce_grad is None else ce_grad[sl],
+                                        labelled if ce_out is not None else None)
+        del zt
+        if ce_out is not None:
+            ce_out[sl] = ce_rows
+    gh = dz @ ws if needs[0] else None  # whole GEMMs: a chunk's rows alone would not fill the GPU
+    gw = dz.t() @ hs if needs[1] else None
+    gb = dz.sum(0, dtype=compute_dtype(dz.dtype)).to(bs.dtype) if needs[2] and bs is not None else None
+    return rows_out, ce_out, [gh, gw, gb, None, None, None]
 
 
 def _valid(target: Optional[Tensor], ignore_index: int, n: int, device) -> Tensor:

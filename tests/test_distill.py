@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import inductor_xent
-from inductor_xent import ops
+from inductor_xent import compat, ops
 from inductor_xent.distill import KINDS, REDUCTIONS, linear_distillation_loss
 
 from .helpers import Recorder, assert_parity, assert_within_torch_error, fused_ops, logits_sized
@@ -137,6 +137,113 @@ def test_op_in_bfloat16_within_torch_error():
     for k in grads:
         assert grads[k].dtype == torch.bfloat16
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"bf16 grad {k}")
+
+
+@pytest.fixture
+def keep_dz_on_cpu(monkeypatch):
+    """The kept-dz chunks (distill.keeps_dz, CUDA's default) on CPU, 3 rows a chunk; counts their calls."""
+    from inductor_xent import distill
+
+    monkeypatch.setattr(distill, "KEEP_DZ_DEVICES", ("cpu", "cuda"))
+    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 3 * V * 4)
+    calls = []
+    real = distill._kept_dz_chunks
+    monkeypatch.setattr(distill, "_kept_dz_chunks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("hard", [0.0, 0.3])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_kept_dz_matches_float64(kind, reduction, hard, keep_dz_on_cpu):
+    """The student's gradient logits of every row kept, the weight gradient one GEMM at the end:
+    values and student gradients (bias included, with and without the hard-label CE; a per-row loss
+    keeps dz in its backward) against float64 within torch's error, over chunks of 3 rows (the last
+    one short)."""
+    ins = _inputs(seed=5)
+    kw = dict(kind=kind, beta=0.3, temperature=1.7, reduction=reduction, soft_weight=1.3, hard_weight=hard)
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, **kw)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        kd = _reference(hs, ws, ht, wt, y, kind, 0.3, 1.7, reduction, bs=bs)
+        z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
+        ce = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
+        return 1.3 * kd + hard * ce.reshape(kd.shape)
+
+    out, grads = _run(ours, ins, teacher_grad=False)
+    assert keep_dz_on_cpu, "the kept-dz path did not run"
+    same, same_g = _run(theirs, ins, teacher_grad=False)
+    exact, exact_g = _run(theirs, ins, torch.float64, teacher_grad=False)
+    assert_within_torch_error(out, same, exact, what=f"{kind} {reduction} loss")
+    assert set(grads) == {"hs", "ws", "bs"}
+    for k in grads:
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {reduction} grad {k}")
+
+
+def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
+    """A per-row loss keeps dz in its backward only (the forward forms no gradient); a trained
+    teacher, and a store budget smaller than the [N, V] gradient logits, take the accumulating
+    chunks."""
+    ins = _inputs()
+    leaves = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in ins.items()}
+    args = (leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], leaves["y"])
+    rows = linear_distillation_loss(*args, reduction="none")
+    assert not keep_dz_on_cpu
+    rows.sum().backward()
+    assert keep_dz_on_cpu
+    keep_dz_on_cpu.clear()
+    linear_distillation_loss(*args[:2], args[2].requires_grad_(), *args[3:]).backward()
+    assert not keep_dz_on_cpu
+    args[2].requires_grad_(False)
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4 - 1}")
+    linear_distillation_loss(*args).backward()
+    assert not keep_dz_on_cpu
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4}")
+    linear_distillation_loss(*args).backward()
+    assert keep_dz_on_cpu
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("budget", ["1x", "0"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
+    """On the GPU in bf16 (the chunk math compiled by Inductor; budget 1x keeps dz, 0 accumulates in
+    fp32): Hinton KD mixed with the hard-label CE, student gradients, several chunks."""
+    from inductor_xent import distill
+
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", budget)
+    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 200 * 4096 * 2)
+    monkeypatch.setattr(distill, "CUDA_CHUNK_BYTES", 200 * 4096 * 4 * distill.CHUNK_TENSORS)
+    n, ds, dt, v = 777, 256, 384, 4096
+    g = torch.Generator().manual_seed(11)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[::3] = -100
+    ins = dict(hs=torch.randn(n, ds, generator=g), ws=torch.randn(v, ds, generator=g) * 0.2,
+               bs=torch.randn(v, generator=g), ht=torch.randn(n, dt, generator=g),
+               wt=torch.randn(v, dt, generator=g) * 0.2, y=y)
+    cuda = {k: x.cuda() for k, x in ins.items()}
+    kw = dict(kind=kind, beta=0.3, temperature=2.0, soft_weight=0.7 * 4, hard_weight=0.3)
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, reduction="batchmean", **kw)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        kd = _reference(hs, ws, ht, wt, y, kind, 0.3, 2.0, "batchmean", bs=bs)
+        z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
+        return kw["soft_weight"] * kd + 0.3 * F.cross_entropy(z, y)
+
+    bf16 = {k: x.bfloat16() if x.is_floating_point() else x for k, x in cuda.items()}
+    with compat.ieee_fp32_matmuls():
+        out, grads = _run(ours, bf16, teacher_grad=False)
+        same, same_g = _run(theirs, bf16, teacher_grad=False)
+        exact, exact_g = _run(theirs, bf16, torch.float64, teacher_grad=False)
+    assert_within_torch_error(out, same, exact, what=f"{kind} loss")
+    for k in grads:
+        assert grads[k].dtype == torch.bfloat16
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} grad {k}")
 
 
 def test_op_refuses_bad_arguments():
