@@ -205,6 +205,22 @@ def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
     assert keep_dz_on_cpu
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_explain_says_when_dz_is_kept(keep, keep_dz_on_cpu, monkeypatch):
+    """explain names the kept gradient logits and their size (and no longer counts them avoided)."""
+    from inductor_xent import distill
+
+    if not keep:
+        monkeypatch.setattr(distill, "KEEP_DZ_DEVICES", ("cuda",))
+    ins = {k: v.requires_grad_(k == "ws") if v.is_floating_point() else v for k, v in _inputs().items()}
+    site = inductor_xent.explain(_hinton, **ins).sites[0]
+    assert site.fused and site.strategy == "store"
+    kept = B * T * V * 4
+    assert ("gradient logits of every row kept (~1 KiB)" in site.strategy_reason) == keep
+    assert site.extra_bytes == (kept if keep else None)
+    assert site.bytes_avoided == (0 if keep else kept)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("budget", ["1x", "0"])

@@ -45,8 +45,11 @@ def test_readme_has_its_sections_and_examples():
 @pytest.mark.parametrize("section", sorted(SECTIONS, key=lambda n: -len(SECTIONS[n])))
 def test_readme_snippets_run(section, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the Trainer example writes its output directory here
-    module = types.ModuleType("readme")  # a real module: Dynamo (2.11) imports the code's __name__
-    monkeypatch.setitem(sys.modules, "readme", module)
+    # a real module: Dynamo (2.11) imports the code's __name__ for its guards, and one name per
+    # section (a module of an earlier section, left in Dynamo's lookups on the same worker, lacked
+    # section 5's globals on the GPU box)
+    module = types.ModuleType(f"readme_section_{section}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     namespace = module.__dict__
     first = SECTIONS["1"][0]
     for index, code in ([first] if section != "1" else []) + SECTIONS[section]:

@@ -1052,22 +1052,33 @@ def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize("how", ["global_tf32", "global_ieee", "matmul_tf32", "matmul_ieee", "legacy_true",
-                                 "legacy_false"])
+                                 "legacy_false", "overridden_tf32", "api_highest", "api_high"])
 def test_fp32_dots_follow_either_tf32_api(how):
     """TF32 for fp32 inputs as torch decides it, by either API: HF's TrainingArguments sets
     ``torch.backends.fp32_precision`` (torch >= 2.9), after which reading the legacy ``allow_tf32``
-    raises; the launchers' choice must not (it did: an fp32 model trained by HF's Trainer on a GPU)."""
-    matmul = torch.backends.cuda.matmul
+    raises; the launchers' choice must not (it did: an fp32 model trained by HF's Trainer on a GPU).
+    A level decides unless it is "none" (ATen's Context::float32Precision): the global one only where
+    the cuda and matmul levels are "none" (``overridden``: a matmul level "ieee" under a global
+    "tf32"); ``torch.set_float32_matmul_precision`` sets the matmul level (the GPU box's worker had it
+    set by an earlier test when the global case first ran there)."""
+    matmul, cuda = torch.backends.cuda.matmul, torch.backends.cuda
     if not hasattr(matmul, "fp32_precision"):
         pytest.skip("this torch has only the legacy allow_tf32")
-    old = (torch.backends.fp32_precision, matmul.fp32_precision, compat.tf32_matmuls())
+    levels = [lvl for lvl in (torch.backends, cuda, matmul) if hasattr(lvl, "fp32_precision")]
+    old = ([lvl.fp32_precision for lvl in levels], torch.get_float32_matmul_precision(), compat.tf32_matmuls())
     try:
         where, value = how.split("_")
+        for lvl in levels[1:]:
+            lvl.fp32_precision = "none"
         if where == "legacy":
             matmul.allow_tf32 = value == "true"
+        elif where == "api":
+            torch.set_float32_matmul_precision(value)
+        elif where == "overridden":
+            torch.backends.fp32_precision, matmul.fp32_precision = value, "ieee"
         else:
             (torch.backends if where == "global" else matmul).fp32_precision = value
-        tf32 = value in ("tf32", "true")
+        tf32 = value in ("tf32", "true", "high") and where != "overridden"
         assert compat.tf32_matmuls() is tf32
         assert launch._input_precision(torch.float32) == ("tf32" if tf32 else "ieee")
         assert launch._input_precision(torch.bfloat16) == "tf32"
@@ -1075,7 +1086,9 @@ def test_fp32_dots_follow_either_tf32_api(how):
             assert launch._input_precision(torch.float32) == "ieee"
         assert compat.tf32_matmuls() is tf32
     finally:  # the new API's levels first, then the legacy flag only where it still differs
-        torch.backends.fp32_precision, matmul.fp32_precision = old[:2]
+        torch.set_float32_matmul_precision(old[1])
+        for lvl, value in zip(levels, old[0]):
+            lvl.fp32_precision = value
         if compat.tf32_matmuls() is not old[2]:
             matmul.allow_tf32 = old[2]
 

@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .. import ops
+from .. import distill, ops
 from . import _logits, _mutation, _report, _steps, lm_head_cross_entropy
-from ._fx import Emitter, arg, is_call, norm_dim, same, tval
+from ._fx import Emitter, arg, hint, is_call, norm_dim, same, tval
 from ._site import Decline, Head, log_probs_of, probs_of
 
 PATTERN = "distillation"
@@ -400,7 +400,14 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
             if t is not None and n in (q.matmul, p.matmul):
                 avoided += t.numel() * t.element_size()
             graph.erase_node(n)
+    kept = _kept_dz(q, needs)
     what = "KL(p || q)" if kind == "forward_kl" else f"generalised JSD (beta={beta:g})"
+    how = "gradients in the forward" if reduce != "none" else "recompute"
+    if kept:
+        avoided -= kept
+        size = f"~{kept / 2**20:.0f} MiB" if kept >= 2**20 else f"~{kept / 2**10:.0f} KiB"
+        how += (f"; the student's gradient logits of every row kept ({size}) for one weight-gradient "
+                "GEMM")
     return _report.SiteReport(PATTERN, True, f"fused: {what} of two lm_heads in one op, reduction={reduce}, "
                               f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
                               + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
@@ -408,4 +415,14 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
                               + (", the target head without gradient" if not any(needs[3:]) else ""),
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
                               strategy="store" if reduce != "none" else "recompute",
-                              strategy_reason="gradients in the forward" if reduce != "none" else "recompute")
+                              strategy_reason=how, extra_bytes=kept or None)
+
+
+def _kept_dz(q, needs: list) -> int:
+    """The bytes of the student's gradient logits the op will keep (distill.keeps_dz) at this site's
+    sizes, 0 when it will not (or the rows are not known)."""
+    z = tval(q.matmul)
+    n, v = hint(math.prod(z.shape[:-1])), hint(z.shape[-1])
+    if n is None or v is None or not distill.keeps_dz(n, v, z.dtype, z.device, True, needs):
+        return 0
+    return n * v * z.element_size()
