@@ -32,6 +32,7 @@ each round), the median of the per-round ratios to torch.compile.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -62,6 +63,16 @@ def spelling(hs, ws, ht, wt):
 def ours(hs, ws, ht, wt):
     return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), temperature=TEMP,
                                                   reduction="batchmean") * TEMP**2
+
+
+def ours_chunked(teacher_chunk_bytes, hs, ws, ht, wt):
+    """``ours`` with the kept-dz chunks' teacher logits at ``teacher_chunk_bytes`` (the sweep)."""
+    from inductor_xent import distill
+    old, distill.TEACHER_CHUNK_BYTES = distill.TEACHER_CHUNK_BYTES, teacher_chunk_bytes
+    try:
+        return ours(hs, ws, ht, wt)
+    finally:
+        distill.TEACHER_CHUNK_BYTES = old
 
 
 def ours_acc(hs, ws, ht, wt):
@@ -160,7 +171,9 @@ def rel(x, ref):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8192x4096x8192x128256", help="N x D_student x D_teacher x V")
-    ap.add_argument("--methods", default=",".join(METHODS), help="also ours@<MiB>: ours with that chunk working set")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="also ours@<MiB>: ours_acc with that chunk working set; ours_kept@<MiB>: ours with its "
+                         "teacher chunk at that size")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=0, help="then interleave the methods' fwd+bwd over N rounds")
@@ -182,10 +195,13 @@ def main(argv=None):
     for name in args.methods.split(","):
         fn = fns.get(name)
         note = None
-        if name.startswith("ours@"):  # ours with another chunk working set (MiB): the chunk-size sweep
+        if name.startswith(("ours@", "ours_kept@")):  # another chunk working set (MiB): the chunk-size sweep
             from inductor_xent import distill
-            distill.CUDA_CHUNK_BYTES = int(name.split("@")[1]) * 2**20
-            fn = ours
+            mib = int(name.split("@")[1]) * 2**20
+            if name.startswith("ours@"):  # the accumulating chunks' working set
+                distill.CUDA_CHUNK_BYTES, fn = mib, ours_acc
+            else:  # the kept-dz chunks' teacher logits
+                fn = functools.partial(ours_chunked, mib)
         if name.startswith("liger"):
             fn, note = liger_fn(name)
             if fn is None:
