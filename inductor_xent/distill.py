@@ -24,11 +24,12 @@ per chunk).
 The weight gradient sums over every row, and a row's gradient is known only once its whole
 vocabulary is seen, so the chunks either add their share into an fp32 ``[V, Ds]`` accumulator (a
 read-modify-write of it per chunk, GEMMs of a chunk's rows) or keep the student's gradient logits
-``dz`` of every row in the logits' dtype (``keeps_dz``: on CUDA when only the student trains and
-``N·V`` of them fit the store budget): then each chunk's student GEMM writes into
+``dz`` of every row in the logits' dtype (``keeps_dz``: on CUDA when only the student trains, its
+weight included, and ``N·V`` of them fit the store budget): then each chunk's student GEMM writes into
 its rows of ``dz``, the chunk's math turns them into the gradient in place, and the hidden and
 weight gradients are one GEMM each over all rows at the end (as torch.compile's, rounded once), with
-only the teacher's logits of one chunk (``TEACHER_CHUNK_BYTES``) besides. A third way, recomputing the teacher's
+only the teacher's logits of one chunk (at most the size of the weight gradient, 128 to 512 MiB)
+besides. A third way, recomputing the teacher's
 logits in a backward, would cost its GEMM (the largest of the four) twice.
 
 ``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
@@ -66,18 +67,25 @@ CHUNK_TENSORS = 8
 # 8192 x 4096, teacher D 8192, V 128256, Hinton KD fwd+bwd against torch.compile's 70.3 ms / 4946 MiB:
 # 1 GiB 112.8 ms; 2 GiB 84.7; 4 GiB 73.9 ms / 2217 MiB; 8 GiB 70.1 ms / 3050 MiB (benchmarks/RESULTS.md)
 CUDA_CHUNK_BYTES = 4 * 2**30
-# keeps_dz: the teacher's logits of one chunk, the only [rows, V] tensor besides the kept dz (a chunk's
-# math is one compiled kernel family that reads dz's rows and the teacher's and writes dz in place)
-TEACHER_CHUNK_BYTES = 128 * 2**20
+# keeps_dz: the teacher's logits of one chunk are the only [rows, V] tensor besides the kept dz (a
+# chunk's math is one compiled kernel family that reads dz's rows and the teacher's and writes dz in
+# place). A chunk as large as the student's weight gradient raises no peak (the end, dz and that
+# gradient, is higher), within these bounds. H100, the bench_distill shape (weight gradient 1002 MiB),
+# fwd+bwd against torch.compile's 68.27 ms: 128 MiB 70.64 ms, 256 MiB 67.88, 512 MiB 67.22, each 2132
+# extra MiB (3 interleaved rounds: 1.034x, 1.014x, 0.979x)
+TEACHER_CHUNK_BYTES = 512 * 2**20
+MIN_TEACHER_CHUNK_BYTES = 128 * 2**20
 # where keeps_dz may keep them (the chunked CPU path bounds its memory by config.fallback_chunk_bytes)
 KEEP_DZ_DEVICES = ("cuda",)
 
 
-def chunk_rows(n: int, v: int, device: torch.device, teacher_itemsize: int = 0) -> int:
-    """Rows per chunk; with ``teacher_itemsize`` (``keeps_dz``) those whose teacher logits fit
+def chunk_rows(n: int, v: int, device: torch.device, teacher_itemsize: int = 0, weight_grad_bytes: int = 0) -> int:
+    """Rows per chunk; with ``teacher_itemsize`` (``keeps_dz``) those whose teacher logits fit the
+    student's weight gradient (``weight_grad_bytes``) within MIN_TEACHER_CHUNK_BYTES and
     TEACHER_CHUNK_BYTES."""
     if teacher_itemsize:
-        rows = TEACHER_CHUNK_BYTES // max(1, v * teacher_itemsize)
+        budget = min(TEACHER_CHUNK_BYTES, max(MIN_TEACHER_CHUNK_BYTES, weight_grad_bytes))
+        rows = budget // max(1, v * teacher_itemsize)
         return max(1, min(n, rows - rows % 128 if rows >= 128 else rows))  # whole GEMM tiles
     budget = CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
     return max(1, min(n, budget // max(1, v * 4 * CHUNK_TENSORS)))
@@ -86,9 +94,10 @@ def chunk_rows(n: int, v: int, device: torch.device, teacher_itemsize: int = 0) 
 def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grads: bool, needs) -> bool:
     """Whether the chunks keep the student's gradient logits of every row (module docstring): on CUDA
     (``KEEP_DZ_DEVICES``), when they form gradients (a reduced loss's forward, a per-row loss's
-    backward) for the student only, and the ``[N, V]`` gradient logits in ``dtype`` fit
-    ``config.store_budget()`` (default: their own size, what torch.compile keeps of the logits)."""
-    if device.type not in KEEP_DZ_DEVICES or not with_grads or not any(needs[:2]) or any(needs[3:]):
+    backward) for the student only, its weight's among them (the hidden states' alone are whole in
+    each chunk), and the ``[N, V]`` gradient logits in ``dtype`` fit ``config.store_budget()``
+    (default: their own size, what torch.compile keeps of the logits)."""
+    if device.type not in KEEP_DZ_DEVICES or not with_grads or not needs[1] or any(needs[3:]):
         return False
     kind, amount = config.parse_budget(config.store_budget())
     size = n * v * torch.finfo(dtype).bits // 8
@@ -254,7 +263,8 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
     student's gradients from all of it at the end."""
     n, v = hs.shape[0], ws.shape[0]
     dz = torch.empty(n, v, dtype=hs.dtype, device=hs.device)
-    step = chunk_rows(n, v, hs.device, teacher_itemsize=ht.element_size())
+    step = chunk_rows(n, v, hs.device, teacher_itemsize=ht.element_size(),
+                      weight_grad_bytes=ws.numel() * ws.element_size())
     math_fn = _math_for(hs.device, into=True)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))

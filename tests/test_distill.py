@@ -184,8 +184,8 @@ def test_kept_dz_matches_float64(kind, reduction, hard, keep_dz_on_cpu):
 
 def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
     """A per-row loss keeps dz in its backward only (the forward forms no gradient); a trained
-    teacher, and a store budget smaller than the [N, V] gradient logits, take the accumulating
-    chunks."""
+    teacher, a frozen student head, and a store budget smaller than the [N, V] gradient logits take
+    the accumulating chunks."""
     ins = _inputs()
     leaves = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in ins.items()}
     args = (leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], leaves["y"])
@@ -197,12 +197,28 @@ def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
     linear_distillation_loss(*args[:2], args[2].requires_grad_(), *args[3:]).backward()
     assert not keep_dz_on_cpu
     args[2].requires_grad_(False)
+    args[1].requires_grad_(False)  # a frozen head (LoRA): each chunk's hidden-state gradient is whole
+    linear_distillation_loss(*args).backward()
+    assert not keep_dz_on_cpu
+    args[1].requires_grad_()
     monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4 - 1}")
     linear_distillation_loss(*args).backward()
     assert not keep_dz_on_cpu
     monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4}")
     linear_distillation_loss(*args).backward()
     assert keep_dz_on_cpu
+
+
+def test_kept_dz_teacher_chunk_follows_the_weight_gradient():
+    """The teacher chunk is as large as the student's weight gradient (no higher peak than the end's),
+    within 128 and 512 MiB, whole 128-row tiles."""
+    from inductor_xent.distill import chunk_rows
+
+    cuda, v = torch.device("cuda"), 128256
+    assert chunk_rows(8192, v, cuda, 2, v * 4096 * 2) == 2048  # 512 MiB of bf16 rows: 2093, tiles of 128
+    assert chunk_rows(8192, v, cuda, 2, v * 1024 * 2) == 1024  # a 250 MiB weight gradient
+    assert chunk_rows(8192, v, cuda, 2, 1000) == 512  # at least 128 MiB
+    assert chunk_rows(300, v, cuda, 2, v * 4096 * 2) == 300
 
 
 @pytest.mark.parametrize("keep", [False, True])
