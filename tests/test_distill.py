@@ -62,6 +62,26 @@ def _run(fn, ins: dict, dtype=None, teacher_grad=True):
     return out.detach(), {k: v for k, v in zip(names, grads) if v is not None}
 
 
+def _mixed_reference(hs, ws, bs, ht, wt, y, kind, beta, temperature, reduction, soft, hard):
+    """soft · the divergence + hard · the student's hard-label cross-entropy (its raw logits; the mean
+    over labelled rows, per row for "none"), computed apart."""
+    kd = _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=bs)
+    z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
+    ce = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
+    return soft * kd + hard * ce.reshape(kd.shape)
+
+
+def _check_student(ours, theirs, ins: dict, what: str):
+    """Loss and student gradients (hs, ws, bs) of ``ours`` within torch's error of float64."""
+    out, grads = _run(ours, ins, teacher_grad=False)
+    same, same_g = _run(theirs, ins, teacher_grad=False)
+    exact, exact_g = _run(theirs, ins, torch.float64, teacher_grad=False)
+    assert_within_torch_error(out, same, exact, what=f"{what} loss")
+    assert set(grads) == {"hs", "ws", "bs"}
+    for k in grads:
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{what} grad {k}")
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_op_matches_float64_with_student_and_teacher_gradients(kind, reduction):
@@ -97,18 +117,9 @@ def test_op_mixes_the_hard_label_cross_entropy(kind, reduction):
                                         reduction=reduction, soft_weight=(1 - alpha) * temp**2, hard_weight=alpha)
 
     def theirs(hs, ws, bs, ht, wt, y):
-        kd = _reference(hs, ws, ht, wt, y, kind, 0.4, temp, reduction, bs=bs)
-        z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
-        ce = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
-        return (1 - alpha) * temp**2 * kd + alpha * ce.reshape(kd.shape)
+        return _mixed_reference(hs, ws, bs, ht, wt, y, kind, 0.4, temp, reduction, (1 - alpha) * temp**2, alpha)
 
-    out, grads = _run(ours, ins, teacher_grad=False)
-    same, same_g = _run(theirs, ins, teacher_grad=False)
-    exact, exact_g = _run(theirs, ins, torch.float64, teacher_grad=False)
-    assert_within_torch_error(out, same, exact, what=f"{kind} {reduction} mixed loss")
-    assert set(grads) == {"hs", "ws", "bs"}
-    for k in grads:
-        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {reduction} mixed grad {k}")
+    _check_student(ours, theirs, ins, f"{kind} {reduction} mixed")
 
 
 def test_op_hard_weight_needs_the_target():
@@ -167,19 +178,10 @@ def test_kept_dz_matches_float64(kind, reduction, hard, keep_dz_on_cpu):
         return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, **kw)
 
     def theirs(hs, ws, bs, ht, wt, y):
-        kd = _reference(hs, ws, ht, wt, y, kind, 0.3, 1.7, reduction, bs=bs)
-        z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
-        ce = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
-        return 1.3 * kd + hard * ce.reshape(kd.shape)
+        return _mixed_reference(hs, ws, bs, ht, wt, y, kind, 0.3, 1.7, reduction, 1.3, hard)
 
-    out, grads = _run(ours, ins, teacher_grad=False)
+    _check_student(ours, theirs, ins, f"{kind} {reduction}")
     assert keep_dz_on_cpu, "the kept-dz path did not run"
-    same, same_g = _run(theirs, ins, teacher_grad=False)
-    exact, exact_g = _run(theirs, ins, torch.float64, teacher_grad=False)
-    assert_within_torch_error(out, same, exact, what=f"{kind} {reduction} loss")
-    assert set(grads) == {"hs", "ws", "bs"}
-    for k in grads:
-        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {reduction} grad {k}")
 
 
 def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
