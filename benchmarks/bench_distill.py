@@ -65,14 +65,17 @@ def ours(hs, ws, ht, wt):
                                                   reduction="batchmean") * TEMP**2
 
 
-def ours_chunked(teacher_chunk_bytes, hs, ws, ht, wt):
-    """``ours`` with the kept-dz chunks' teacher logits at ``teacher_chunk_bytes`` (the sweep)."""
+def ours_chunked(knob, nbytes, hs, ws, ht, wt):
+    """The sweep's methods: ``ours_acc`` with ``distill.CUDA_CHUNK_BYTES`` (the accumulating chunks'
+    working set) or ``ours`` with ``distill.TEACHER_CHUNK_BYTES`` (the kept-dz chunks' teacher
+    logits) at ``nbytes`` for this call only."""
     from inductor_xent import distill
-    old, distill.TEACHER_CHUNK_BYTES = distill.TEACHER_CHUNK_BYTES, teacher_chunk_bytes
+    old = getattr(distill, knob)
+    setattr(distill, knob, nbytes)
     try:
-        return ours(hs, ws, ht, wt)
+        return (ours_acc if knob == "CUDA_CHUNK_BYTES" else ours)(hs, ws, ht, wt)
     finally:
-        distill.TEACHER_CHUNK_BYTES = old
+        setattr(distill, knob, old)
 
 
 def ours_acc(hs, ws, ht, wt):
@@ -196,12 +199,11 @@ def main(argv=None):
         fn = fns.get(name)
         note = None
         if name.startswith(("ours@", "ours_kept@")):  # another chunk working set (MiB): the chunk-size sweep
-            from inductor_xent import distill
             mib = int(name.split("@")[1]) * 2**20
-            if name.startswith("ours@"):  # the accumulating chunks' working set
-                distill.CUDA_CHUNK_BYTES, fn = mib, ours_acc
-            else:  # the kept-dz chunks' teacher logits
-                fn = functools.partial(ours_chunked, mib)
+            # bound per method (--rounds interleaves them): the accumulating chunks' working set, or the
+            # kept-dz chunks' teacher logits
+            fn = functools.partial(ours_chunked, "CUDA_CHUNK_BYTES" if name.startswith("ours@") else
+                                   "TEACHER_CHUNK_BYTES", mib)
         if name.startswith("liger"):
             fn, note = liger_fn(name)
             if fn is None:

@@ -1,4 +1,5 @@
-"""Knowledge distillation between two lm_heads without either ``[N, V]`` logits tensor.
+"""Knowledge distillation between two lm_heads without either ``[N, V]`` logits tensor (on CUDA one
+``[N, V]`` tensor of the student's gradient logits instead, below).
 
 A student head (hidden ``[N, Ds]``, weight ``[V, Ds]``) and a teacher head (``[N, Dt]``, ``[V, Dt]``,
 ``Dt`` may differ) over one vocabulary; per row, with ``u = z * scale`` (a temperature ``T`` is
@@ -25,22 +26,23 @@ The weight gradient sums over every row, and a row's gradient is known only once
 vocabulary is seen, so the chunks either add their share into an fp32 ``[V, Ds]`` accumulator (a
 read-modify-write of it per chunk, GEMMs of a chunk's rows) or keep the student's gradient logits
 ``dz`` of every row in the logits' dtype (``keeps_dz``: on CUDA when only the student trains, its
-weight included, and ``N·V`` of them fit the store budget): then each chunk's student GEMM writes into
-its rows of ``dz``, the chunk's math turns them into the gradient in place, and the hidden and
-weight gradients are one GEMM each over all rows at the end (as torch.compile's, rounded once), with
-only the teacher's logits of one chunk (at most the size of the weight gradient, 128 to 512 MiB)
-besides. A third way, recomputing the teacher's
-logits in a backward, would cost its GEMM (the largest of the four) twice.
+weight included, its operands in one dtype, and ``N·V`` of them fit the store budget): then each
+chunk's student GEMM writes into its rows of ``dz``, the chunk's math turns them into the gradient
+in place, and the hidden and weight gradients are one GEMM each over all rows at the end (as
+torch.compile's, rounded once), with only the teacher's logits of one chunk (as large as the weight
+gradient, within 128 and 512 MiB) besides. A third way, recomputing the teacher's logits in a
+backward, would cost its GEMM (the largest of the four) twice.
 
 ``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
-scale_s, scale_t, reduction, needs, soft_weight=1.0, hard_weight=0.0, mask_divergence=True) -> (loss,
-gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the loss ((N,) or 0-dim float32) and, for a reduced loss, the
-gradients (empty where not needed; not differentiable); ``inductor_xent::linear_distill_bwd(grad_rows,
-...)`` the per-row case's backward. The loss is ``soft_weight`` times the divergence plus
-``hard_weight`` times the student's hard-label cross-entropy of ``target`` (its raw logits, the mean
-over the labelled rows; per row for ``none``), both from the same chunk of student logits;
-``mask_divergence`` False counts every row's divergence, the unlabelled ones too (the pass's
-``α·CE + β·KD``, whose KD has no mask).
+scale_s, scale_t, reduction, needs, soft_weight=1.0, hard_weight=0.0, mask_divergence=True,
+store_budget="") -> (loss, gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the loss ((N,) or 0-dim float32)
+and, for a reduced loss, the gradients (empty where not needed; not differentiable);
+``inductor_xent::linear_distill_bwd(grad_rows, ...)`` the per-row case's backward. The loss is
+``soft_weight`` times the divergence plus ``hard_weight`` times the student's hard-label
+cross-entropy of ``target`` (its raw logits, the mean over the labelled rows; per row for
+``none``), both from the same chunk of student logits; ``mask_divergence`` False counts every
+row's divergence, the unlabelled ones too (the pass's ``α·CE + β·KD``, whose KD has no mask);
+``store_budget`` is ``keeps_dz``'s (``""``: the configured one).
 """
 
 from __future__ import annotations
@@ -69,10 +71,11 @@ CHUNK_TENSORS = 8
 CUDA_CHUNK_BYTES = 4 * 2**30
 # keeps_dz: the teacher's logits of one chunk are the only [rows, V] tensor besides the kept dz (a
 # chunk's math is one compiled kernel family that reads dz's rows and the teacher's and writes dz in
-# place). A chunk as large as the student's weight gradient raises no peak (the end, dz and that
-# gradient, is higher), within these bounds. H100, the bench_distill shape (weight gradient 1002 MiB),
-# fwd+bwd against torch.compile's 68.27 ms: 128 MiB 70.64 ms, 256 MiB 67.88, 512 MiB 67.22, each 2132
-# extra MiB (3 interleaved rounds: 1.034x, 1.014x, 0.979x)
+# place). A chunk no larger than the student's weight gradient raises no peak (the end, dz and that
+# gradient, is higher); it is that size within these bounds (128 MiB may exceed a small one). H100,
+# the bench_distill shape (weight gradient 1002 MiB), fwd+bwd against torch.compile's 68.27 ms:
+# 128 MiB 70.64 ms, 256 MiB 67.88, 512 MiB 67.22, each 2132 extra MiB (3 interleaved rounds:
+# 1.034x, 1.014x, 0.979x)
 TEACHER_CHUNK_BYTES = 512 * 2**20
 MIN_TEACHER_CHUNK_BYTES = 128 * 2**20
 # where keeps_dz may keep them (the chunked CPU path bounds its memory by config.fallback_chunk_bytes)
@@ -91,15 +94,17 @@ def chunk_rows(n: int, v: int, device: torch.device, teacher_itemsize: int = 0, 
     return max(1, min(n, budget // max(1, v * 4 * CHUNK_TENSORS)))
 
 
-def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grads: bool, needs) -> bool:
+def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grads: bool, needs,
+             budget: str = "") -> bool:
     """Whether the chunks keep the student's gradient logits of every row (module docstring): on CUDA
     (``KEEP_DZ_DEVICES``), when they form gradients (a reduced loss's forward, a per-row loss's
     backward) for the student only, its weight's among them (the hidden states' alone are whole in
-    each chunk), and the ``[N, V]`` gradient logits in ``dtype`` fit ``config.store_budget()``
-    (default: their own size, what torch.compile keeps of the logits)."""
+    each chunk), and the ``[N, V]`` gradient logits in ``dtype`` fit ``budget`` (``""``:
+    ``config.store_budget()``, by default their own size, what torch.compile keeps of the logits;
+    the pass gives ``xent.store_budget``, and ``"0"`` for ``xent.strategy="recompute"``)."""
     if device.type not in KEEP_DZ_DEVICES or not with_grads or not needs[1] or any(needs[3:]):
         return False
-    kind, amount = config.parse_budget(config.store_budget())
+    kind, amount = config.parse_budget(budget or config.store_budget())
     size = n * v * torch.finfo(dtype).bits // 8
     return size <= (amount * size if kind == "logits" else amount)
 
@@ -179,6 +184,20 @@ def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor],
 _fused = {}
 
 
+def _compiled(fn):
+    """``fn`` compiled by Inductor with the rows of every tensor argument dynamic (they are all per
+    row): one graph for every chunk size, where a static graph per last-chunk size would reach
+    Dynamo's recompile limit within eight batch sizes (and fail under ``fullgraph``)."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, Tensor) and a.dim() and a.shape[0] > 1:  # 0 and 1 rows specialise anyway
+                torch._dynamo.mark_dynamic(a, 0)
+        return compiled(*args)
+    return call
+
+
 def _math_for(device: torch.device, into: bool = False):
     """The chunk math: on CUDA compiled once by Inductor into a few fused kernels (eager PyTorch would
     make a dozen passes over each [rows, V] chunk; ``into``: the last of them writes dz over the
@@ -187,7 +206,7 @@ def _math_for(device: torch.device, into: bool = False):
     if device.type != "cuda":
         return fn
     if fn not in _fused:
-        _fused[fn] = torch.compile(fn, dynamic=False, fullgraph=True)
+        _fused[fn] = _compiled(fn)
     return _fused[fn]
 
 
@@ -201,18 +220,28 @@ def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc += (a.to(acc.dtype) @ b.to(acc.dtype))
 
 
+def _one_dtype(hs: Tensor, ws: Tensor, bs: Optional[Tensor]) -> bool:
+    """The student's operands in one dtype, autocast's where it is on: the kept path's GEMMs write
+    into a buffer of that dtype (``out=`` does not autocast, ``F.linear`` would)."""
+    dtype, device = hs.dtype, hs.device.type
+    if ws.dtype != dtype or (bs is not None and bs.dtype != dtype):
+        return False
+    return not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == dtype
+
+
 def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
             scale_t: float, row_grad: Optional[Tensor], needs: tuple, ce: bool = False,
-            ce_grad: Optional[Tensor] = None, mask_divergence: bool = True):
+            ce_grad: Optional[Tensor] = None, mask_divergence: bool = True, store_budget: str = ""):
     """The loss rows (and with ``ce`` the student's hard-label cross-entropy rows, else None) and,
     when ``row_grad`` (the incoming gradient of each divergence row) is given, the gradients
     ``needs`` asks for (hs, ws, bs, ht, wt, bt); ``ce_grad`` those of the cross-entropy rows.
-    ``mask_divergence`` False: the divergence of every row, the target's ignored ones included."""
+    ``mask_divergence`` False: the divergence of every row, the target's ignored ones included.
+    ``store_budget``: ``keeps_dz``'s."""
     n, v = hs.shape[0], ws.shape[0]
     work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
     ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
-    keep = keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs)
+    keep = _one_dtype(hs, ws, bs) and keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs, store_budget)
     if keep:
         return _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad,
                                needs, rows_out, ce_out, ce_grad, mask_divergence)
@@ -282,8 +311,8 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
         del zt
         if ce_out is not None:
             ce_out[sl] = ce_rows
-    gh = dz @ ws if needs[0] else None  # whole GEMMs: a chunk's rows alone would not fill the GPU
-    gw = dz.t() @ hs if needs[1] else None
+    gh = (dz @ ws).to(hs.dtype) if needs[0] else None  # whole GEMMs: a chunk's rows would not fill the GPU
+    gw = (dz.t() @ hs).to(ws.dtype) if needs[1] else None
     gb = dz.sum(0, dtype=compute_dtype(dz.dtype)).to(bs.dtype) if needs[2] and bs is not None else None
     return rows_out, ce_out, [gh, gw, gb, None, None, None]
 
@@ -313,10 +342,10 @@ def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
 def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
                        target: Optional[Tensor], ignore_index: int, kind: str, beta: float, scale_s: float,
                        scale_t: float, reduction: str, needs: list[bool], soft_weight: float = 1.0,
-                       hard_weight: float = 0.0, mask_divergence: bool = True) -> Out7:
+                       hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "") -> Out7:
     _check_weights(target, soft_weight, hard_weight)
     ce = hard_weight != 0.0
-    mixing = dict(ce=ce, mask_divergence=mask_divergence)
+    mixing = dict(ce=ce, mask_divergence=mask_divergence, store_budget=store_budget)
     if reduction == "none":
         rows, ce_rows, _ = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, None,
                                    needs, **mixing)
@@ -351,7 +380,7 @@ def _mixed(rows: Tensor, ce_rows: Optional[Tensor], soft_weight: float, hard_wei
 
 @linear_distill_fwd.register_fake
 def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, soft_weight=1.0,
-      hard_weight=0.0, mask_divergence=True):
+      hard_weight=0.0, mask_divergence=True, store_budget=""):
     dt = compute_dtype(hs.dtype)
     loss = hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt)
     grads = [t.new_empty(t.shape) if (need and t is not None and reduction != "none") else
@@ -363,18 +392,18 @@ def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t
 def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
                        bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str, beta: float,
                        scale_s: float, scale_t: float, needs: list[bool], soft_weight: float = 1.0,
-                       hard_weight: float = 0.0, mask_divergence: bool = True) -> Out6:
+                       hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "") -> Out6:
     g = grad_rows.to(compute_dtype(hs.dtype))
     ce = hard_weight != 0.0
     _, _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
                           g * soft_weight, needs, ce=ce, ce_grad=g * hard_weight if ce else None,
-                          mask_divergence=mask_divergence)
+                          mask_divergence=mask_divergence, store_budget=store_budget)
     return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
 
 
 @linear_distill_bwd.register_fake
 def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, needs, soft_weight=1.0,
-      hard_weight=0.0, mask_divergence=True):
+      hard_weight=0.0, mask_divergence=True, store_budget=""):
     return tuple(t.new_empty(t.shape) if (need and t is not None) else (t if t is not None else hs).new_empty(0)
                  for t, need in zip((hs, ws, bs, ht, wt, bt), needs))
 
@@ -382,7 +411,8 @@ def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale
 def _setup_context(ctx, inputs, output):
     hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, *weights = inputs
     ctx.options = (ignore_index, kind, beta, scale_s, scale_t, list(needs))
-    ctx.weights = (*weights, *(1.0, 0.0, True)[len(weights):])  # (soft_weight, hard_weight, mask_divergence)
+    # (soft_weight, hard_weight, mask_divergence, store_budget), the defaults where not given
+    ctx.weights = (*weights, *(1.0, 0.0, True, "")[len(weights):])
     ctx.n_inputs = len(inputs)
     ctx.reduction = reduction
     if reduction == "none":
@@ -423,9 +453,11 @@ def linear_distillation_loss(
     reduction: str = "batchmean",
     soft_weight: float = 1.0,
     hard_weight: float = 0.0,
+    store_budget: Optional[str | int] = None,
 ) -> Tensor:
     """The divergence between a student and a teacher lm_head (module docstring), without the
-    ``[N, V]`` logits of either, times ``soft_weight``; with ``hard_weight`` plus that times the
+    ``[N, V]`` logits of either (on CUDA one ``[N, V]`` tensor of the student's gradient logits
+    instead, within ``store_budget``: ``keeps_dz``), times ``soft_weight``; with ``hard_weight`` plus that times the
     student's hard-label cross-entropy ``F.cross_entropy(student_logits, target,
     ignore_index=ignore_index)`` (its raw logits, no temperature; the mean over the labelled rows,
     per row for ``reduction="none"``), computed in the same pass over the student's logits (Hinton's
@@ -438,7 +470,10 @@ def linear_distillation_loss(
 
     ``*_hidden`` are ``[..., D]`` with the same leading shape (``target`` too, when given). The
     teacher gets gradients where its tensors require them (call it on ``.detach()``-ed tensors, or
-    under ``torch.no_grad()`` for the teacher's forward, to train the student only)."""
+    under ``torch.no_grad()`` for the teacher's forward, to train the student only).
+    ``store_budget`` (bytes, ``"2GiB"``, or a fraction of the logits, ``"0.5x"``; default
+    ``INDUCTOR_XENT_STORE_BUDGET``, else ``"1x"``): how large the kept gradient logits may be; ``0``
+    keeps none (the chunks then add into an fp32 weight-gradient accumulator)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if reduction not in REDUCTIONS:
@@ -451,6 +486,8 @@ def linear_distillation_loss(
     if kind == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd needs 0 < beta < 1 (beta 0 is forward_kl, 1 reverse_kl), got {beta}")
     options.check_temperature(temperature)
+    if store_budget is not None:
+        config.parse_budget(store_budget)
     if student_weight.dim() != 2 or teacher_weight.dim() != 2 or student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(f"the weights must be [V, D] with one vocabulary: student {tuple(student_weight.shape)}, "
                          f"teacher {tuple(teacher_weight.shape)}")
@@ -466,5 +503,6 @@ def linear_distillation_loss(
              for x in (hs, student_weight, student_bias, ht, teacher_weight, teacher_bias)]
     out = linear_distill_fwd(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, t1, ignore_index,
                              kind, float(beta), 1.0 / temperature, 1.0 / temperature, reduction, needs,
-                             float(soft_weight), float(hard_weight))[0]
+                             float(soft_weight), float(hard_weight), True,
+                             "" if store_budget is None else str(store_budget))[0]
     return out.reshape(lead) if reduction == "none" else out

@@ -159,7 +159,9 @@ def keep_dz_on_cpu(monkeypatch):
     monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 3 * V * 4)
     calls = []
     real = distill._kept_dz_chunks
-    monkeypatch.setattr(distill, "_kept_dz_chunks", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(distill, "_kept_dz_chunks", lambda *a, **k: calls.append("op") or real(*a, **k))
+    math = distill._chunk_math_into
+    monkeypatch.setattr(distill, "_chunk_math_into", lambda *a, **k: calls.append("chunk") or math(*a, **k))
     return calls
 
 
@@ -182,6 +184,8 @@ def test_kept_dz_matches_float64(kind, reduction, hard, keep_dz_on_cpu):
 
     _check_student(ours, theirs, ins, f"{kind} {reduction}")
     assert keep_dz_on_cpu, "the kept-dz path did not run"
+    ops, chunks = keep_dz_on_cpu.count("op"), keep_dz_on_cpu.count("chunk")
+    assert chunks == ops * -(-B * T // 3), "not the 3-row chunks (chunk_rows's teacher item size and bytes)"
 
 
 def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
@@ -209,6 +213,77 @@ def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
     monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4}")
     linear_distillation_loss(*args).backward()
     assert keep_dz_on_cpu
+
+
+def test_kept_dz_follows_the_budget_and_the_strategy(keep_dz_on_cpu, monkeypatch):
+    """store_budget=0 (the functional API), xent.strategy="recompute" and a too small
+    xent.store_budget (the backend) keep no gradient logits; the defaults do."""
+    ins = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in _inputs().items()}
+    args = (ins["hs"], ins["ws"], ins["ht"], ins["wt"], ins["y"])
+    linear_distillation_loss(*args, store_budget=0).backward()
+    assert not keep_dz_on_cpu
+    linear_distillation_loss(*args, store_budget="1x").backward()
+    assert keep_dz_on_cpu
+    with pytest.raises(ValueError, match="store budget"):
+        linear_distillation_loss(*args, store_budget="lots")
+    for opts, kept in (({"xent.strategy": "recompute"}, False), ({"xent.store_budget": B * T * V * 4 - 1}, False),
+                       ({}, True)):
+        keep_dz_on_cpu.clear()
+        torch._dynamo.reset()
+        compiled = torch.compile(_hinton, backend="inductor_xent", options={"xent.inner": "aot_eager", **opts})
+        compiled(**{k: ins[k] for k in ("hs", "ws", "ht", "wt")}).backward()
+        assert bool(keep_dz_on_cpu) == kept, opts
+
+
+def test_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu):
+    """Under autocast with fp32 master weights (bf16 hidden states) the operands' dtypes differ: the
+    accumulating chunks run (the kept path's out= GEMMs do not autocast) with eager autocast's values
+    and gradients; with every operand in autocast's dtype the kept path runs."""
+    ins = _inputs(seed=9)
+    hs = ins["hs"].bfloat16().requires_grad_()
+    ws = ins["ws"].clone().requires_grad_()
+    kw = dict(kind="forward_kl", temperature=2.0, reduction="mean")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = linear_distillation_loss(hs, ws, ins["ht"], ins["wt"], ins["y"], **kw)
+    g_ours = torch.autograd.grad(ours, (hs, ws))
+    assert not keep_dz_on_cpu and g_ours[1].dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager = _reference(hs, ws, ins["ht"], ins["wt"], ins["y"], kw["kind"], 0.5, 2.0, "mean")
+    g_eager = torch.autograd.grad(eager, (hs, ws))
+    exact = _reference(hs.double(), ws.bfloat16().double(), ins["ht"].bfloat16().double(),
+                       ins["wt"].bfloat16().double(), ins["y"], kw["kind"], 0.5, 2.0, "mean")
+    assert_within_torch_error(ours.float(), eager.float(), exact, what="autocast loss")
+    for a, e in zip(g_ours, g_eager):
+        torch.testing.assert_close(a.float(), e.float(), rtol=0.05, atol=1e-3)
+    bf = {k: v.bfloat16().requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in ins.items()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        linear_distillation_loss(bf["hs"], bf["ws"], bf["ht"], bf["wt"], bf["y"], **kw).backward()
+    assert keep_dz_on_cpu
+
+
+def test_compiled_chunk_math_has_one_graph_for_every_chunk_size():
+    """distill._compiled marks the rows dynamic: chunks of 5, 6 and 7 rows (a batch's last chunk
+    follows N) reuse one graph, where static shapes compile one each and fail at Dynamo's limit under
+    fullgraph; the values are eager's."""
+    from torch._dynamo.utils import counters
+
+    from inductor_xent import distill
+
+    torch._dynamo.reset()
+    counters.clear()
+    fn = distill._compiled(distill._chunk_math_into)
+    g = torch.Generator().manual_seed(4)
+    for rows in (5, 6, 7):
+        zs, zt = torch.randn(rows, V, generator=g), torch.randn(rows, V, generator=g)
+        w, valid = torch.rand(rows, generator=g), torch.rand(rows, generator=g) > 0.3
+        dz = zs.clone()
+        out = fn(dz, zt, w, valid, "jsd", 0.3, 0.5, 0.5)
+        ref_dz = zs.clone()
+        ref = distill._chunk_math_into(ref_dz, zt, w, valid, "jsd", 0.3, 0.5, 0.5)
+        torch.testing.assert_close(out[0], ref[0])
+        torch.testing.assert_close(dz, ref_dz)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 def test_kept_dz_teacher_chunk_follows_the_weight_gradient():
@@ -249,7 +324,10 @@ def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
     from inductor_xent import distill
 
     monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", budget)
-    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 200 * 4096 * 2)
+    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 256 * 4096 * 2)  # chunks of 256 rows: 4, the last short
+    kept = []
+    real = distill._kept_dz_chunks
+    monkeypatch.setattr(distill, "_kept_dz_chunks", lambda *a, **k: kept.append(1) or real(*a, **k))
     monkeypatch.setattr(distill, "CUDA_CHUNK_BYTES", 200 * 4096 * 4 * distill.CHUNK_TENSORS)
     n, ds, dt, v = 777, 256, 384, 4096
     g = torch.Generator().manual_seed(11)
@@ -275,6 +353,7 @@ def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
         same, same_g = _run(theirs, bf16, teacher_grad=False)
         exact, exact_g = _run(theirs, bf16, torch.float64, teacher_grad=False)
     assert_within_torch_error(out, same, exact, what=f"{kind} loss")
+    assert bool(kept) == (budget == "1x"), "the kept-dz path runs on CUDA within the budget, not at 0"
     for k in grads:
         assert grads[k].dtype == torch.bfloat16
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} grad {k}")

@@ -71,7 +71,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
     reported: set = set()  # heads already in another head's site
     gm.meta[DONE] = True
     _fold_loops(gm, allow_escaping_logits, can_return)
-    sites.extend(_distillation(gm))
+    sites.extend(_distillation(gm, strategy, store_budget))
     candidates = _candidates(gm.graph)
     output = next(iter(gm.graph.find_nodes(op="output")), None)
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
@@ -146,9 +146,9 @@ def _counted(site: SiteReport) -> SiteReport:
     return site
 
 
-def _distillation(gm: GraphModule) -> list[SiteReport]:
+def _distillation(gm: GraphModule, strategy: Optional[str], store_budget) -> list[SiteReport]:
     """Two lm_heads' divergence (patterns/distill.py), before the one-head idioms look at the graph."""
-    return [_counted(s) for s in distill.run(gm, log)]
+    return [_counted(s) for s in distill.run(gm, log, strategy, store_budget)]
 
 
 def _fold_loops(gm: GraphModule, allow_escaping: bool, can_return: bool) -> None:

@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .. import distill, ops
+from .. import config, distill, ops
 from . import _logits, _mutation, _report, _steps, lm_head_cross_entropy
-from ._fx import Emitter, arg, hint, is_call, norm_dim, same, tval
+from ._fx import Emitter, arg, hint, is_call, norm_dim, numel_hint, same, tval
 from ._site import Decline, Head, log_probs_of, probs_of
 
 PATTERN = "distillation"
@@ -62,9 +62,13 @@ STACK = (torch.stack,)
 LOGSUMEXP = (torch.logsumexp, "logsumexp")
 
 
-def run(gm: GraphModule, log) -> list:
+def run(gm: GraphModule, log, strategy: Optional[str] = None, store_budget=None) -> list:
     """Rewrite every distillation site of ``gm``; one ``SiteReport`` per site found. Analysis is
-    pure: a bug there declines the site (logged); a rewrite is not guarded."""
+    pure: a bug there declines the site (logged); a rewrite is not guarded. ``strategy`` /
+    ``store_budget``: the pass's (``recompute`` keeps no gradient logits; the budget bounds them:
+    distill.keeps_dz)."""
+    which = strategy or config.strategy()
+    budget = "0" if which == "recompute" else ("" if store_budget is None else str(store_budget))
     reports = []
     for node in [*gm.graph.find_nodes(op="call_function", target=F.kl_div),
                  *gm.graph.find_nodes(op="call_method", target="sum"),
@@ -84,7 +88,7 @@ def run(gm: GraphModule, log) -> list:
             chain = None if isinstance(found, Decline) or isinstance(found["q"], Decline) else found["q"]
             reports.append(_report.declined(PATTERN, node.name, ("distillation",), chain, why))
             continue
-        reports.append(_rewrite(gm, node, found))
+        reports.append(_rewrite(gm, node, found, budget))
     return reports
 
 
@@ -363,7 +367,7 @@ def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
     return tuple(out)
 
 
-def _rewrite(gm: GraphModule, node: Node, f: dict):
+def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     q, p, graph = f["q"], f["p"], gm.graph
     # at the loss (or at the sum with the cross-entropy): both heads' inputs and the targets exist there
     e = Emitter(graph, f["mix"]["add"] if "mix" in f else node, node)
@@ -376,11 +380,13 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
     if mix is not None:  # soft · Σ KL / divisor + hard · the mean cross-entropy, every row's KL counted
         target = mix["target"] if tval(mix["target"]).dim() == 1 else e.method("reshape", mix["target"], -1)
         out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
-                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False)
+                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False,
+                     budget)
         node = mix["add"]
     else:
         out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, None, -100,
-                     kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs)
+                     kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs, 1.0, 0.0, True,
+                     budget)
     value = e.getitem(out, 0)
     if mix is not None:
         pass
@@ -398,13 +404,13 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
         if n in dead and not n.users:
             t = tval(n)
             if t is not None and n in (q.matmul, p.matmul):
-                avoided += t.numel() * t.element_size()
+                avoided += (numel_hint(t) or 0) * t.element_size()
             graph.erase_node(n)
-    kept = _kept_dz(q, needs)
+    kept = _kept_dz(q, needs, budget)
     what = "KL(p || q)" if kind == "forward_kl" else f"generalised JSD (beta={beta:g})"
     how = "gradients in the forward" if reduce != "none" else "recompute"
     if kept:
-        avoided -= kept
+        avoided = max(0, avoided - kept)
         size = f"~{kept / 2**20:.0f} MiB" if kept >= 2**20 else f"~{kept / 2**10:.0f} KiB"
         how += (f"; the student's gradient logits of every row kept ({size}) for one weight-gradient "
                 "GEMM")
@@ -418,11 +424,11 @@ def _rewrite(gm: GraphModule, node: Node, f: dict):
                               strategy_reason=how, extra_bytes=kept or None)
 
 
-def _kept_dz(q, needs: list) -> int:
+def _kept_dz(q, needs: list, budget: str) -> int:
     """The bytes of the student's gradient logits the op will keep (distill.keeps_dz) at this site's
     sizes, 0 when it will not (or the rows are not known)."""
     z = tval(q.matmul)
     n, v = hint(math.prod(z.shape[:-1])), hint(z.shape[-1])
-    if n is None or v is None or not distill.keeps_dz(n, v, z.dtype, z.device, True, needs):
+    if n is None or v is None or not distill.keeps_dz(n, v, z.dtype, z.device, True, needs, budget):
         return 0
     return n * v * z.element_size()
