@@ -388,14 +388,21 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                      kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs, 1.0, 0.0, True,
                      budget)
     value = e.getitem(out, 0)
+    # the sizes as numbers where they are static: a size read from the [N, V] log-probs would keep
+    # them (and the student's logits) in the graph until a later pass removes them
+    lp_shape = tval(q.nodes[-1]).shape
     if mix is not None:
         pass
     elif reduce == "none":
-        value = e.method("view", value, e.getitem(e.method("size", q.nodes[-1]), slice(None, -1)))
+        lead = tuple(lp_shape[:-1])
+        value = e.method("view", value, lead if _static(lead) else
+                         e.getitem(e.method("size", q.nodes[-1]), slice(None, -1)))
     elif reduce == "batchmean":
-        value = e.call(operator.truediv, value, e.method("size", f["inp"], 0))
+        rows = tval(f["inp"]).shape[0]
+        value = e.call(operator.truediv, value, rows if _static((rows,)) else e.method("size", f["inp"], 0))
     elif reduce == "mean":
-        value = e.call(operator.truediv, value, e.method("numel", f["inp"]))
+        count = tval(f["inp"]).numel()
+        value = e.call(operator.truediv, value, count if _static((count,)) else e.method("numel", f["inp"]))
     if tval(value).dtype != tval(node).dtype:
         value = e.method("to", value, tval(node).dtype)
     node.replace_all_uses_with(value)
@@ -422,6 +429,10 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
                               strategy="store" if reduce != "none" else "recompute",
                               strategy_reason=how, extra_bytes=kept or None)
+
+
+def _static(sizes) -> bool:
+    return all(isinstance(x, int) for x in sizes)
 
 
 def _kept_dz(q, needs: list, budget: str) -> int:
