@@ -100,9 +100,12 @@ def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grad
     (``KEEP_DZ_DEVICES``), when they form gradients (a reduced loss's forward, a per-row loss's
     backward) for the student only, its weight's among them (the hidden states' alone are whole in
     each chunk), and the ``[N, V]`` gradient logits in ``dtype`` fit ``budget`` (``""``:
-    ``config.store_budget()``, by default their own size, what torch.compile keeps of the logits;
-    the pass gives ``xent.store_budget``, and ``"0"`` for ``xent.strategy="recompute"``)."""
+    ``config.store_budget()``, by default their own size, what torch.compile keeps of the logits,
+    and none under ``INDUCTOR_XENT_STRATEGY=recompute``; the pass gives ``xent.store_budget``, and
+    ``"0"`` for ``xent.strategy="recompute"``)."""
     if device.type not in KEEP_DZ_DEVICES or not with_grads or not needs[1] or any(needs[3:]):
+        return False
+    if not budget and config.strategy() == "recompute":  # INDUCTOR_XENT_STRATEGY keeps nothing either
         return False
     kind, amount = config.parse_budget(budget or config.store_budget())
     size = n * v * torch.finfo(dtype).bits // 8

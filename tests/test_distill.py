@@ -216,12 +216,17 @@ def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
 
 
 def test_kept_dz_follows_the_budget_and_the_strategy(keep_dz_on_cpu, monkeypatch):
-    """store_budget=0 (the functional API), xent.strategy="recompute" and a too small
-    xent.store_budget (the backend) keep no gradient logits; the defaults do."""
+    """store_budget=0 and INDUCTOR_XENT_STRATEGY=recompute (the functional API), xent.strategy=
+    "recompute" and a too small xent.store_budget (the backend) keep no gradient logits; the
+    defaults do."""
     ins = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in _inputs().items()}
     args = (ins["hs"], ins["ws"], ins["ht"], ins["wt"], ins["y"])
     linear_distillation_loss(*args, store_budget=0).backward()
     assert not keep_dz_on_cpu
+    monkeypatch.setenv("INDUCTOR_XENT_STRATEGY", "recompute")
+    linear_distillation_loss(*args).backward()
+    assert not keep_dz_on_cpu
+    monkeypatch.delenv("INDUCTOR_XENT_STRATEGY")
     linear_distillation_loss(*args, store_budget="1x").backward()
     assert keep_dz_on_cpu
     with pytest.raises(ValueError, match="store budget"):
