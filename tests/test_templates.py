@@ -1065,7 +1065,10 @@ def test_fp32_dots_follow_either_tf32_api(how):
     if not hasattr(matmul, "fp32_precision"):
         pytest.skip("this torch has only the legacy allow_tf32")
     levels = [lvl for lvl in (torch.backends, cuda, matmul) if hasattr(lvl, "fp32_precision")]
-    old = ([lvl.fp32_precision for lvl in levels], torch.get_float32_matmul_precision(), compat.tf32_matmuls())
+    # set_float32_matmul_precision also sets the MKLDNN matmul level: restored with the others
+    mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    restore = levels + ([mkldnn] if hasattr(mkldnn, "fp32_precision") else [])
+    old = ([lvl.fp32_precision for lvl in restore], torch.get_float32_matmul_precision(), compat.tf32_matmuls())
     try:
         where, value = how.split("_")
         for lvl in levels[1:]:
@@ -1087,7 +1090,7 @@ def test_fp32_dots_follow_either_tf32_api(how):
         assert compat.tf32_matmuls() is tf32
     finally:  # the new API's levels first, then the legacy flag only where it still differs
         torch.set_float32_matmul_precision(old[1])
-        for lvl, value in zip(levels, old[0]):
+        for lvl, value in zip(restore, old[0]):
             lvl.fp32_precision = value
         if compat.tf32_matmuls() is not old[2]:
             matmul.allow_tf32 = old[2]
