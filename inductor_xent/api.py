@@ -62,8 +62,8 @@ def linear_cross_entropy(
     they are not checked (that would need a host synchronisation): such a row gets a finite but
     meaningless loss (its target logit is read as 0) and gradients as if it had no target.
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)  # first: bf16 activations, fp32 master weights
     _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss)
-    hidden, weight, bias = _autocast(hidden, weight, bias)
     hidden2d = hidden.reshape(-1, hidden.shape[-1])
     target1d = target.reshape(-1)
     options = (int(ignore_index), float(label_smoothing), float(logit_scale),
@@ -169,8 +169,8 @@ def linear_log_probs(
     them; ``entropy`` and ``argmax`` are not computed with ``top_p`` (a ``ValueError``). A kept set
     decided within rounding of the rollout engine's (its mass at ``top_p`` exactly) may differ.
     """
+    hidden, weight, bias = _autocast(hidden, weight, bias)  # first: bf16 activations, fp32 master weights
     _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)
-    hidden, weight, bias = _autocast(hidden, weight, bias)
     temperature = check_temperature(temperature)
     for name, flag in (("entropy", entropy), ("argmax", argmax)):
         if not isinstance(flag, bool):
@@ -230,14 +230,18 @@ def _choose_log_probs(n, d, v, dtype, needs, which, budget, device):
 
 
 def _autocast(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> tuple:
-    """The operands as ``F.linear`` gets them inside ``torch.autocast`` for their device: in
-    autocast's dtype, except float64 (which autocast never casts). The loss stays in fp32, as
-    autocast computes ``cross_entropy``."""
-    device = hidden.device.type
-    if not torch.is_autocast_enabled(device) or hidden.dtype == torch.float64:
+    """The operands as ``F.linear`` gets them inside ``torch.autocast`` for their device: each floating
+    tensor in autocast's dtype, except float64 (which autocast never casts); anything else as it came
+    (``_validate`` names it). The loss stays in fp32, as autocast computes ``cross_entropy``."""
+    if not isinstance(hidden, Tensor) or not torch.is_autocast_enabled(hidden.device.type):
         return hidden, weight, bias
-    dtype = torch.get_autocast_dtype(device)
-    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
+    dtype = torch.get_autocast_dtype(hidden.device.type)
+
+    def cast(t):
+        castable = isinstance(t, Tensor) and t.is_floating_point() and t.dtype != torch.float64
+        return t.to(dtype) if castable else t
+
+    return cast(hidden), cast(weight), cast(bias)
 
 
 def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_scale, softcap, z_loss):

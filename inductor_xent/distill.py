@@ -26,12 +26,18 @@ The weight gradient sums over every row, and a row's gradient is known only once
 vocabulary is seen, so the chunks either add their share into an fp32 ``[V, Ds]`` accumulator (a
 read-modify-write of it per chunk, GEMMs of a chunk's rows) or keep the student's gradient logits
 ``dz`` of every row in the logits' dtype (``keeps_dz``: on CUDA when only the student trains, its
-weight included, its operands in one dtype, and ``N·V`` of them fit the store budget): then each
-chunk's student GEMM writes into its rows of ``dz``, the chunk's math turns them into the gradient
-in place, and the hidden and weight gradients are one GEMM each over all rows at the end (as
+weight included, and ``N·V`` of them fit the store budget): then each chunk's student GEMM writes
+into its rows of ``dz``, the chunk's math turns them into the gradient in place, and the hidden and
+weight gradients are one GEMM each over all rows at the end (as
 torch.compile's, rounded once), with only the teacher's logits of one chunk (as large as the weight
 gradient, within 128 and 512 MiB) besides. A third way, recomputing the teacher's logits in a
 backward, would cost its GEMM (the largest of the four) twice.
+
+Under ``torch.autocast`` (fp32 master weights, bf16 activations) ``linear_distillation_loss`` casts
+each head's operands as autocast casts ``F.linear``'s, and the pass inserts the same casts; the ops
+run with autocast off (``ops._without_autocast``), so every GEMM, the kept path's ``out=`` ones
+included, computes in the operands' one dtype, and the gradients reach the fp32 weights through the
+casts, as in eager autocast.
 
 ``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
 scale_s, scale_t, reduction, needs, soft_weight=1.0, hard_weight=0.0, mask_divergence=True,
@@ -55,12 +61,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from . import config, options, strategy
+from .ops import _without_autocast  # (ops imports this module at its end, after defining it)
 from .options import compute_dtype
 
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
-# the ops' outputs (torch.library infers schemas from these annotations: no tuple[Tensor, ...])
-Out7 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
-Out6 = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 # fp32 tensors of a chunk's width alive at once (both heads' logits, log-probs, probabilities, du)
@@ -223,15 +227,6 @@ def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc += (a.to(acc.dtype) @ b.to(acc.dtype))
 
 
-def _one_dtype(hs: Tensor, ws: Tensor, bs: Optional[Tensor]) -> bool:
-    """The student's operands in one dtype, autocast's where it is on: the kept path's GEMMs write
-    into a buffer of that dtype (``out=`` does not autocast, ``F.linear`` would)."""
-    dtype, device = hs.dtype, hs.device.type
-    if ws.dtype != dtype or (bs is not None and bs.dtype != dtype):
-        return False
-    return not torch.is_autocast_enabled(device) or torch.get_autocast_dtype(device) == dtype
-
-
 def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
             scale_t: float, row_grad: Optional[Tensor], needs: tuple, ce: bool = False,
             ce_grad: Optional[Tensor] = None, mask_divergence: bool = True, store_budget: str = ""):
@@ -244,7 +239,7 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
     ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
-    keep = _one_dtype(hs, ws, bs) and keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs, store_budget)
+    keep = keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs, store_budget)
     if keep:
         return _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad,
                                needs, rows_out, ce_out, ce_grad, mask_divergence)
@@ -341,11 +336,15 @@ def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
     return (t if t is not None else like).new_empty(0)
 
 
+# the return annotations written out (no alias, no tuple[Tensor, ...]): torch.library infers the schema
+# from them, evaluated in the globals of ops._without_autocast's wrapper
 @torch.library.custom_op("inductor_xent::linear_distill_fwd", mutates_args=())
+@_without_autocast
 def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
                        target: Optional[Tensor], ignore_index: int, kind: str, beta: float, scale_s: float,
                        scale_t: float, reduction: str, needs: list[bool], soft_weight: float = 1.0,
-                       hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "") -> Out7:
+                       hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "",
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     _check_weights(target, soft_weight, hard_weight)
     ce = hard_weight != 0.0
     mixing = dict(ce=ce, mask_divergence=mask_divergence, store_budget=store_budget)
@@ -392,10 +391,12 @@ def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t
 
 
 @torch.library.custom_op("inductor_xent::linear_distill_bwd", mutates_args=())
+@_without_autocast
 def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
                        bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str, beta: float,
                        scale_s: float, scale_t: float, needs: list[bool], soft_weight: float = 1.0,
-                       hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "") -> Out6:
+                       hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "",
+                       ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     g = grad_rows.to(compute_dtype(hs.dtype))
     ce = hard_weight != 0.0
     _, _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
@@ -471,7 +472,9 @@ def linear_distillation_loss(
         rows = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
         # (forward_kl; 0 where target == ignore_index), then reduced by ``reduction``
 
-    ``*_hidden`` are ``[..., D]`` with the same leading shape (``target`` too, when given). The
+    ``*_hidden`` are ``[..., D]`` with the same leading shape (``target`` too, when given); a head's
+    hidden, weight and bias in one dtype, or inside ``torch.autocast``, which casts them as it casts
+    ``F.linear``'s (fp32 master weights then get fp32 gradients through the casts). The
     teacher gets gradients where its tensors require them (call it on ``.detach()``-ed tensors, or
     under ``torch.no_grad()`` for the teacher's forward, to train the student only).
     ``store_budget`` (bytes, ``"2GiB"``, or a fraction of the logits, ``"0.5x"``; default
@@ -500,6 +503,14 @@ def linear_distillation_loss(
                          f" and target {None if target is None else tuple(target.shape)} need one leading shape")
     if student_hidden.shape[-1] != student_weight.shape[1] or teacher_hidden.shape[-1] != teacher_weight.shape[1]:
         raise ValueError("each hidden's last dimension must be its weight's D")
+    from .api import _autocast  # (api imports ops, which imports this module)
+
+    # each head's operands as F.linear gets them under torch.autocast; differentiable casts, so an fp32
+    # master weight gets its gradient in fp32, as in eager autocast
+    student_hidden, student_weight, student_bias = _autocast(student_hidden, student_weight, student_bias)
+    teacher_hidden, teacher_weight, teacher_bias = _autocast(teacher_hidden, teacher_weight, teacher_bias)
+    _check_dtypes("student", student_hidden, student_weight, student_bias)
+    _check_dtypes("teacher", teacher_hidden, teacher_weight, teacher_bias)
     hs, ht = student_hidden.reshape(-1, student_hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     t1 = None if target is None else target.reshape(-1)
     needs = [bool(x is not None and x.requires_grad and torch.is_grad_enabled())
@@ -509,3 +520,11 @@ def linear_distillation_loss(
                              float(soft_weight), float(hard_weight), True,
                              "" if store_budget is None else str(store_budget))[0]
     return out.reshape(lead) if reduction == "none" else out
+
+
+def _check_dtypes(head: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    """A head's operands in one dtype (after autocast's casts), as ``F.linear`` needs them: the op's
+    GEMMs, and the kept gradient logits' ``out=`` GEMMs, take them as they are."""
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"the {head}'s hidden, weight and bias need one dtype (or torch.autocast to cast them), got "
+                        f"{hidden.dtype}, {weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")

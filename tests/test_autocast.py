@@ -174,6 +174,32 @@ def test_functional_api_follows_autocast():
     assert rel_err(ours, inductor_xent.linear_cross_entropy(x, W, y)) > 1e-5  # not the fp32 result
 
 
+def test_functional_api_takes_bf16_activations_with_fp32_weights():
+    """The mixed-precision training case: bf16 hidden states (a bf16 trunk under autocast) and an fp32
+    master weight and bias. Inside ``torch.autocast`` that is one dtype after autocast's casts, as for
+    ``F.linear``; the functional API gives the bf16 operands' values and the weight and bias their
+    fp32 gradients. Outside autocast the dtypes differ and it says so."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 16, generator=g).bfloat16().requires_grad_()
+    W = torch.randn(40, 16, generator=g).requires_grad_()
+    b = torch.randn(40, generator=g).requires_grad_()
+    y = torch.randint(0, 40, (12,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = inductor_xent.linear_cross_entropy(x, W, y, bias=b)
+        lp = inductor_xent.linear_log_probs(x, W, y, bias=b).log_probs
+    grads = torch.autograd.grad(loss, (x, W, b))
+    xr, Wr, br = (t.detach().bfloat16().requires_grad_() for t in (x, W, b))
+    ref = inductor_xent.linear_cross_entropy(xr, Wr, y, bias=br)
+    ref_lp = inductor_xent.linear_log_probs(xr, Wr, y, bias=br).log_probs
+    ref_grads = torch.autograd.grad(ref, (xr, Wr, br))
+    assert torch.equal(loss, ref) and torch.equal(lp, ref_lp)
+    assert [t.dtype for t in grads] == [torch.bfloat16, torch.float32, torch.float32]
+    for a, r in zip(grads, ref_grads):
+        assert torch.equal(a, r.to(a.dtype))
+    with pytest.raises(TypeError, match=r"weight.dtype \(torch.float32\) must equal hidden.dtype"):
+        inductor_xent.linear_cross_entropy(x, W, y)
+
+
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")

@@ -241,29 +241,86 @@ def test_kept_dz_follows_the_budget_and_the_strategy(keep_dz_on_cpu, monkeypatch
 
 
 def test_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu):
-    """Under autocast with fp32 master weights (bf16 hidden states) the operands' dtypes differ: the
-    accumulating chunks run (the kept path's out= GEMMs do not autocast) with eager autocast's values
-    and gradients; with every operand in autocast's dtype the kept path runs."""
+    """Under autocast with fp32 master weights and bias (bf16 hidden states, the teacher's too) each
+    head's operands are cast as F.linear's are, so the kept path runs: the loss and the student's
+    gradients (the fp32 leaves' in fp32 through the casts, as autograd gives every leaf) within eager
+    autocast's error against float64 of the bf16-rounded operands."""
     ins = _inputs(seed=9)
-    hs = ins["hs"].bfloat16().requires_grad_()
-    ws = ins["ws"].clone().requires_grad_()
-    kw = dict(kind="forward_kl", temperature=2.0, reduction="mean")
+    leaves = (ins["hs"].bfloat16().requires_grad_(), ins["ws"].clone().requires_grad_(),
+              ins["bs"].clone().requires_grad_())
+    ht = ins["ht"].bfloat16()  # the teacher's hidden states from its bf16 autocast forward, its weight fp32
+    kw = dict(kind="forward_kl", beta=0.5, temperature=2.0, reduction="mean")
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        ours = linear_distillation_loss(hs, ws, ins["ht"], ins["wt"], ins["y"], **kw)
-    g_ours = torch.autograd.grad(ours, (hs, ws))
-    assert not keep_dz_on_cpu and g_ours[1].dtype == torch.float32
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        eager = _reference(hs, ws, ins["ht"], ins["wt"], ins["y"], kw["kind"], 0.5, 2.0, "mean")
-    g_eager = torch.autograd.grad(eager, (hs, ws))
-    exact = _reference(hs.double(), ws.bfloat16().double(), ins["ht"].bfloat16().double(),
-                       ins["wt"].bfloat16().double(), ins["y"], kw["kind"], 0.5, 2.0, "mean")
-    assert_within_torch_error(ours.float(), eager.float(), exact, what="autocast loss")
-    for a, e in zip(g_ours, g_eager):
-        torch.testing.assert_close(a.float(), e.float(), rtol=0.05, atol=1e-3)
-    bf = {k: v.bfloat16().requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in ins.items()}
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        linear_distillation_loss(bf["hs"], bf["ws"], bf["ht"], bf["wt"], bf["y"], **kw).backward()
-    assert keep_dz_on_cpu
+        ours = linear_distillation_loss(*leaves[:2], ht, ins["wt"], ins["y"], student_bias=leaves[2], **kw)
+        eager = _reference(*leaves[:2], ht, ins["wt"], ins["y"], bs=leaves[2], **kw)
+    assert keep_dz_on_cpu, "the kept-dz path did not run"
+    g_ours, g_eager = torch.autograd.grad(ours, leaves), torch.autograd.grad(eager, leaves)
+    rounded = [t.detach().bfloat16().double().requires_grad_() for t in leaves]
+    exact = _reference(*rounded[:2], ins["ht"].bfloat16().double(), ins["wt"].bfloat16().double(), ins["y"],
+                       bs=rounded[2], **kw)
+    g_exact = torch.autograd.grad(exact, rounded)
+    assert_within_torch_error(ours, eager.float(), exact, what="autocast loss")
+    for name, a, e, x in zip(("hs", "ws", "bs"), g_ours, g_eager, g_exact):
+        assert_within_torch_error(a, e, x, what=f"autocast grad {name}")
+
+
+def test_mixed_dtypes_outside_autocast_are_refused():
+    """A head's operands in different dtypes without autocast are a TypeError naming them (as
+    linear_cross_entropy's and linear_topk's), not a GEMM's error from inside the op."""
+    ins = _inputs()
+    with pytest.raises(TypeError, match="the student's hidden, weight and bias need one dtype.*bfloat16, torch.float32"):
+        linear_distillation_loss(ins["hs"].bfloat16(), ins["ws"], ins["ht"], ins["wt"])
+    with pytest.raises(TypeError, match="the teacher's hidden, weight and bias need one dtype"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], teacher_bias=ins["bs"].half())
+
+
+def test_op_runs_with_autocast_off(small_chunks):
+    """Inside torch.autocast the op's implementation runs with autocast off (Inductor calls it with the
+    caller's autocast still on): bf16 operands give the same bits inside and outside, one-row chunks
+    whose weight gradients add up in fp32 (an autocast GEMM would round each chunk's to bf16)."""
+    ins = _inputs(seed=2, dtype=torch.bfloat16)
+
+    def loss(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, kind="jsd", beta=0.3, reduction="sum",
+                                        hard_weight=0.5)
+
+    def autocast(fn):
+        def run(**kw):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(**kw)
+        return run
+
+    out, grads = _run(loss, ins)
+    out_ac, grads_ac = _run(autocast(loss), ins)
+    assert torch.equal(out, out_ac)
+    assert set(grads) == set(grads_ac) == {"hs", "ws", "bs", "ht", "wt"}
+    for k in grads:
+        assert torch.equal(grads[k], grads_ac[k]), k
+
+
+def test_compiled_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu):
+    """Hinton KD compiled by the backend under autocast with fp32 parameters: the pass casts both heads'
+    operands to bf16 as autocast does, the op keeps the student's gradient logits, and the loss and
+    the fp32 gradients are within eager autocast's error against float64 of the bf16-rounded operands."""
+    from torch._dynamo.utils import counters
+
+    ins = _inputs(seed=4)
+    compiled = torch.compile(_hinton, backend="inductor_xent", options={"xent.inner": "aot_eager"})
+
+    def run(fn, exact=False):
+        xs = {k: ins[k].bfloat16().double() if exact else ins[k].clone() for k in ("hs", "ws", "ht", "wt")}
+        leaves = [xs[k].requires_grad_() for k in ("hs", "ws")]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not exact):
+            out = fn(**xs)
+        return out, torch.autograd.grad(out, leaves)
+
+    ours, g_ours = run(compiled)
+    assert counters["inductor_xent"]["fused.distillation"] == 1 and keep_dz_on_cpu
+    eager, g_eager = run(_hinton)
+    exact, g_exact = run(_hinton, exact=True)
+    assert_within_torch_error(ours, eager, exact, what="compiled autocast loss")
+    for name, a, e, x in zip(("hs", "ws"), g_ours, g_eager, g_exact):
+        assert_within_torch_error(a, e, x, what=f"compiled autocast grad {name}")
 
 
 def test_compiled_chunk_math_has_one_graph_for_every_chunk_size():
