@@ -94,8 +94,8 @@ def _strategy_word(site) -> str:
     """'store ~N MiB' / 'recompute' in the table; the reason column has the whole description."""
     if not site.fused:
         return "-"
-    if site.strategy == "store":
-        return f"store ~{_mib(site.extra_bytes)} MiB"
+    if site.strategy == "store":  # (a size where the site knows it: not a distillation's chunks)
+        return "store" if site.extra_bytes is None else f"store ~{_mib(site.extra_bytes)} MiB"
     return "recompute"
 
 
