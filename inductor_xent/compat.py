@@ -22,10 +22,6 @@ Only the seams: what the package changes in Dynamo's behaviour, and why, is dyna
 * ``graph_retained``: whether the running backward keeps its graph (``retain_graph`` /
   ``create_graph``), from ``torch._C._autograd._get_current_graph_task_keep_graph`` (private, in
   both); where it is missing the answer is True, the safe one.
-* ``torch._grouped_mm`` (private, in both): its CUTLASS kernel reads each group's size from the
-  ``offs`` device tensor, so a GEMM bounded by a device-side count needs no host sync. Only bf16 on
-  sm90 / sm100 takes that kernel; other dtypes and GPUs take a fallback that reads ``offs`` on the
-  host (a sync). ``grouped_mm_on_device`` says which.
 """
 
 from __future__ import annotations
@@ -180,15 +176,6 @@ def ieee_fp32_matmuls() -> Iterator[None]:
         yield
     finally:
         setattr(matmul, field, old)
-
-
-def grouped_mm_on_device(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether ``torch._grouped_mm`` of ``dtype`` operands on ``device`` runs its CUTLASS kernel (group
-    sizes read on the device, no host sync): bf16 on a CUDA GPU of compute capability 9.x or 10.x
-    (ATen's ``_grouped_mm_allowed_device``), where torch has the op."""
-    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16 or device.type != "cuda":
-        return False
-    return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def graph_retained() -> bool:

@@ -139,18 +139,6 @@ def nested_graph_breaks() -> bool:
     return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", True)
 
 
-def rows_gemm() -> str:
-    """``INDUCTOR_XENT_ROWS_GEMM``: which GEMM the store backward's two count-bounded products use when
-    the rows are compacted (templates/rows.py). ``cutlass`` (default): ``torch._grouped_mm`` with one
-    group of ``count`` rows where it reads the count on the device (bf16 on sm90 / sm100:
-    ``compat.grouped_mm_on_device``), else ``rows_mm_kernel``; ``triton``: ``rows_mm_kernel`` always
-    (the A/B switch)."""
-    value = os.environ.get("INDUCTOR_XENT_ROWS_GEMM", "cutlass").strip().lower() or "cutlass"
-    if value not in ("cutlass", "triton"):
-        raise ValueError(f"INDUCTOR_XENT_ROWS_GEMM={value!r}; expected 'cutlass' or 'triton'")
-    return value
-
-
 def batch_invariant() -> bool:
     """``INDUCTOR_XENT_BATCH_INVARIANT``: ``1`` makes every row's forward values (loss, log-probs,
     entropy, argmax, logsumexp) on the Triton path the same bits whatever the batch around it: the

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 import inductor_xent
 from inductor_xent import compat, reference, strategy
 from inductor_xent.options import LossOptions, fold_temperature
-from inductor_xent.templates import configs, launch, rows
+from inductor_xent.templates import configs, launch
 from inductor_xent.templates import forward as _forward
 
 from .helpers import assert_within_torch_error, rel_err
@@ -1003,38 +1003,11 @@ def test_store_skips_ignored_rows(pattern, chunk, dtype):
     assert torch.equal(gh[t == -100], torch.zeros_like(gh[t == -100]))
 
 
-@pytest.mark.parametrize("rows_gemm", ["cutlass", "triton"])
-@pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("pattern, chunk", [("prefix", 0), ("scattered", 16), ("all", 0)])
-def test_store_rows_gemm(monkeypatch, rows_gemm, transposed, pattern, chunk):
-    """The store backward's count-bounded products through torch._grouped_mm (INDUCTOR_XENT_ROWS_GEMM=
-    cutlass: bf16, aligned rows, V = 136) or rows_mm_kernel (triton), against the oracle: the path the
-    switch names runs (every chunk's dz·W, and dzᵀ·h of a single chunk), grad_weight has
-    weight's layout (a [D, V] weight passed transposed), the ignored rows' grad_hidden is exactly 0,
-    and with every row ignored (a count of 0) both gradients are."""
-    monkeypatch.setenv("INDUCTOR_XENT_ROWS_GEMM", rows_gemm)
-    calls = []
-    bounded = rows.bounded_mm
-    monkeypatch.setattr(rows, "bounded_mm", lambda *a, **k: calls.append(k["bound"]) or bounded(*a, **k))
-    h, w, b, t = make_inputs(n=48, v=136, dtype=torch.bfloat16, bias=True, seed=25, transposed_weight=transposed)
-    t = _ignore(t, pattern)
-    _, (gh, gw, _) = check_store(h, w, b, t, LossOptions(z_loss=1e-3), reduction="sum", chunk_rows=chunk)
-    chunks = -(-48 // chunk) if chunk else 1
-    # several chunks accumulate grad_weight in fp32 (the op's precision rule): dzᵀ·h through rows_mm
-    assert calls == ((["m", "k"] if chunks == 1 else ["m"] * chunks) if rows_gemm == "cutlass" else [])
-    assert gw.stride() == w.stride()
-    assert torch.equal(gh[t == -100], torch.zeros_like(gh[t == -100]))
-    if pattern == "all":
-        assert not gh.any() and not gw.any()
-
-
-@pytest.mark.parametrize("rows_gemm", ["cutlass", "triton"])
-def test_store_never_reads_ignored_rows(monkeypatch, rows_gemm):
+def test_store_never_reads_ignored_rows(monkeypatch):
     """With the valid count a multiple of the row block, nothing reads an ignored row: NaN there
-    leaves the loss and every gradient finite and equal to those of the valid rows alone, with the
-    backward's products through either GEMM. Computing every row (INDUCTOR_XENT_SKIP_IGNORED=0)
-    spreads the NaN into grad_weight: this test fails if the rows are not skipped."""
-    monkeypatch.setenv("INDUCTOR_XENT_ROWS_GEMM", rows_gemm)
+    leaves the loss and every gradient finite and equal to those of the valid rows alone. Computing
+    every row (INDUCTOR_XENT_SKIP_IGNORED=0) spreads the NaN into grad_weight: this test fails if
+    the rows are not skipped."""
     block = 128 if CUDA else 16  # rows_mm's and the store forward's row block
     n = 3 * block
     h, w, b, t = make_inputs(n=n, bias=True, seed=22, dtype=torch.bfloat16)  # 16-bit: rows.compacts
@@ -1078,6 +1051,16 @@ def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
     assert launch.backward(gl, torch.zeros_like(gl), h, *args)[1].isnan().any()
 
 
+def _api_precision():
+    """``torch.get_float32_matmul_precision()``, or None where torch 2.11 refuses to read it: the legacy
+    flag and the new API both set in this process (by an earlier test, or a library such as HF's
+    TrainingArguments), which made this test fail in its setup on the GPU box."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        return None
+
+
 @pytest.mark.parametrize("how", ["global_tf32", "global_ieee", "matmul_tf32", "matmul_ieee", "legacy_true",
                                  "legacy_false", "overridden_tf32", "api_highest", "api_high"])
 def test_fp32_dots_follow_either_tf32_api(how):
@@ -1095,7 +1078,7 @@ def test_fp32_dots_follow_either_tf32_api(how):
     # set_float32_matmul_precision also sets the MKLDNN matmul level: restored with the others
     mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
     restore = levels + ([mkldnn] if hasattr(mkldnn, "fp32_precision") else [])
-    old = ([lvl.fp32_precision for lvl in restore], torch.get_float32_matmul_precision(), compat.tf32_matmuls())
+    old = ([lvl.fp32_precision for lvl in restore], _api_precision(), compat.tf32_matmuls())
     try:
         where, value = how.split("_")
         for lvl in levels[1:]:
@@ -1116,7 +1099,8 @@ def test_fp32_dots_follow_either_tf32_api(how):
             assert launch._input_precision(torch.float32) == "ieee"
         assert compat.tf32_matmuls() is tf32
     finally:  # the new API's levels first, then the legacy flag only where it still differs
-        torch.set_float32_matmul_precision(old[1])
+        if old[1] is not None:
+            torch.set_float32_matmul_precision(old[1])
         for lvl, value in zip(restore, old[0]):
             lvl.fp32_precision = value
         if compat.tf32_matmuls() is not old[2]:

@@ -619,6 +619,7 @@ def store(
     v = weight.shape[0]
     dev = hidden.device
     grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=dev)
+    grad_w = _grad_weight_buffer(weight, need_w)
     b_dtype = weight.dtype if bias is None else bias.dtype
     grad_b = torch.zeros((v,) if need_b else (0,), dtype=torch.float32, device=dev)
     target = target.contiguous()
@@ -626,8 +627,8 @@ def store(
     g = reduction_weights(valid, reduction, torch.float32)  # d(reduced loss) / d(row loss)
     rows_loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
     if n == 0:
-        return reduced(rows_loss.sum(), valid, reduction), grad_h, _grad_weight_buffer(weight, need_w).zero_(), \
-            grad_b.to(b_dtype)
+        grad_w.zero_()
+        return reduced(rows_loss.sum(), valid, reduction), grad_h, grad_w, grad_b.to(b_dtype)
 
     cfg = cfg or configs.store_config(hidden.dtype)
     chunk = min(n, chunk_rows or n)
@@ -650,20 +651,12 @@ def store(
     # rows.py: the valid rows first and each chunk's count of them on the device; every kernel and
     # both GEMMs stop there (not with logits to return: those need every row)
     skip = logits is None and rows.compacts(hidden.dtype)
-    grouped = w_t = False
     if skip:
         order, count = rows.compact(valid)
         hidden, target, g = (t.index_select(0, order) for t in (hidden, target, g))
         counts = (count - torch.arange(0, n, chunk, device=dev, dtype=torch.int32)).clamp_(0, chunk)
-        # the count-bounded products through CUTLASS where it reads the count on the device (rows.py;
-        # dz's rows are E_ROW_ALIGN-padded); grad_weight is then the first chunk's product itself, in
-        # weight's layout, unless it accumulates in fp32
-        grouped = rows.grouped_ok(hidden, weight)
-        w_t = not weight.is_contiguous() and weight.t().is_contiguous()
-        if need_h and not grouped:
+        if need_h:
             grad_h.zero_()  # the ignored rows' gradient; the valid rows are written through `order`
-    grouped_w = grouped and not fp32_acc  # no buffer before the first chunk's product
-    grad_w = weight.new_empty((0,)) if grouped_w else _grad_weight_buffer(weight, need_w)
 
     for i, r0 in enumerate(range(0, n, chunk)):
         sl = slice(r0, min(n, r0 + chunk))
@@ -686,16 +679,11 @@ def store(
             HAS_COUNT=skip, COUNT_ALIGN=rows.k_step(hidden.dtype) if skip else 1,
             num_warps=dz_cfg.num_warps,
         )
-        if dz.dtype != hidden.dtype:  # the interpreter's fp32 dz, rounded by torch into rows aligned as e's
-            dz = torch.empty((chunk, e_buf.stride(0)), dtype=hidden.dtype, device=dev)[:m, :v].copy_(dz)
+        dz = dz.to(hidden.dtype)
         if skip:
-            if need_h and grouped:  # every row of the chunk: the ignored ones' are the zeros past the count
-                grad_h.index_copy_(0, order[sl], rows.bounded_mm(dz, weight, cnt, bound="m"))
-            elif need_h:
+            if need_h:
                 rows.rows_mm(grad_h, dz, weight, cnt, out_rows=order[sl], bound="m", input_precision=precision)
-            if need_w and grouped_w and i == 0:
-                grad_w = rows.bounded_mm(dz, h_c, cnt, bound="k", trans_a=True, transposed=w_t)
-            elif need_w:
+            if need_w:
                 rows.rows_mm(acc_w if fp32_acc else grad_w, dz, h_c, cnt, bound="k", trans_a=True, accumulate=i > 0,
                              input_precision=precision)
         else:

@@ -20,13 +20,6 @@ the output tiles in grouped order); with TMA descriptors the tile loop and the K
 software-pipelined loop, as in the store forward.
 
 FLOPs: 2·count·K·N (BOUND_M) or 2·M·N·count (BOUND_K); nothing is materialised beyond the output.
-
-``bounded_mm`` is the same two products through ``torch._grouped_mm`` with one group of ``count`` rows:
-its CUTLASS kernel (128x256x64 tiles, two consumer warpgroups and a producer, 2-CTA clusters, as
-cuBLAS's) reads the group's size from the device. Where it applies (``grouped_ok``: bf16 on sm90 /
-sm100, aligned operands) the store backward uses it: at the 700 W cap ``rows_mm_kernel`` ran the dW
-product ~1 % slower than cuBLAS (H100, llama3-8b head; in short bursts 8 % faster), which left the
-compacted step 1-5 % behind the dense one with every row valid (RESULTS.md, wave 3).
 """
 
 from __future__ import annotations
@@ -38,7 +31,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .. import compat, config
+from .. import config
 from .common import cdiv, grouped_pid, logits_tile
 from .configs import KernelConfig
 
@@ -163,45 +156,6 @@ def compacts(dtype: torch.dtype) -> bool:
     relative error 4e-6 to 7e-6 against torch's 1.1e-6 to 2.7e-6); fp32 heads keep cuBLAS's dense
     GEMMs (the chunked CPU path skips the rows in every dtype)."""
     return config.skip_ignored_rows() and dtype != torch.float32
-
-
-def _aligned(t: Tensor) -> bool:
-    """A 2-D operand CUTLASS can read: one unit stride, the other a multiple of 16 bytes, the data
-    16-byte aligned."""
-    item = t.element_size()
-    return (t.data_ptr() % 16 == 0 and any(t.stride(i) == 1 and (t.stride(1 - i) * item) % 16 == 0
-                                           for i in (0, 1)))
-
-
-def grouped_ok(*operands: Tensor) -> bool:
-    """Whether ``bounded_mm`` serves these operands: ``config.rows_gemm()`` is "cutlass", torch's grouped
-    GEMM reads the count on this device (``compat.grouped_mm_on_device``) and every operand is bf16 and
-    aligned for it. On the CPU, under the interpreter, torch's reference loop stands in so that CI
-    runs the same code around it."""
-    t = operands[0]
-    if config.rows_gemm() != "cutlass" or any(o.dtype != torch.bfloat16 for o in operands):
-        return False
-    if t.device.type == "cpu":  # torch checks the alignment there too
-        on_device = config.triton_interpret() and hasattr(torch, "_grouped_mm")
-    else:
-        on_device = compat.grouped_mm_on_device(t.dtype, t.device)
-    return on_device and all(_aligned(o) for o in operands)
-
-
-def bounded_mm(a: Tensor, b: Tensor, count: Tensor, *, bound: str, trans_a: bool = False,
-               transposed: bool = False) -> Tensor:
-    """A new tensor: op(a) @ b over its first ``count`` rows, the others 0 (bound "m"), or over the first
-    ``count`` rows of the contraction (bound "k"), as one GEMM of ``torch._grouped_mm`` with one group
-    (fp32 accumulation, one rounding, deterministic). ``transposed`` (bound "k") computes (bᵀ·op(a)ᵀ)ᵀ:
-    the result's transpose is contiguous (a weight passed as ``W_dv.t()``). ``count``: (1,) int32."""
-    if bound == "m":
-        out = torch._grouped_mm(a.t() if trans_a else a, b.unsqueeze(0), offs=count)
-        rows = torch.arange(out.shape[0], device=out.device, dtype=torch.int32)
-        return out.masked_fill_((rows >= count)[:, None], 0)  # rows past the count are not written
-    op_a = a.t() if trans_a else a  # (M, K)
-    if transposed:
-        return torch._grouped_mm(b.t(), op_a.t(), offs=count)[0].t()
-    return torch._grouped_mm(op_a, b, offs=count)[0]
 
 
 def _tma_ok(cfg: KernelConfig, *tensors: Tensor) -> bool:
