@@ -298,11 +298,20 @@ def test_op_runs_with_autocast_off(small_chunks):
         assert torch.equal(grads[k], grads_ac[k]), k
 
 
-def test_compiled_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu):
+def test_compiled_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu, monkeypatch):
     """Hinton KD compiled by the backend under autocast with fp32 parameters: the pass casts both heads'
-    operands to bf16 as autocast does, the op keeps the student's gradient logits, and the loss and
-    the fp32 gradients are within eager autocast's error against float64 of the bf16-rounded operands."""
+    operands to bf16 as autocast does (the op's chunks see bf16 only: without the casts it computes in
+    fp32, as close to float64 as eager, which the error bound alone would not notice), the op keeps the
+    student's gradient logits, and the loss and the fp32 gradients are within eager autocast's error
+    against float64 of the bf16-rounded operands."""
     from torch._dynamo.utils import counters
+
+    from inductor_xent import distill
+
+    dtypes = []
+    chunks = distill._chunks
+    monkeypatch.setattr(distill, "_chunks", lambda hs, ws, bs, ht, wt, *a, **k: dtypes.append(
+        {hs.dtype, ws.dtype, ht.dtype, wt.dtype}) or chunks(hs, ws, bs, ht, wt, *a, **k))
 
     ins = _inputs(seed=4)
     compiled = torch.compile(_hinton, backend="inductor_xent", options={"xent.inner": "aot_eager"})
@@ -316,6 +325,7 @@ def test_compiled_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu):
 
     ours, g_ours = run(compiled)
     assert counters["inductor_xent"]["fused.distillation"] == 1 and keep_dz_on_cpu
+    assert dtypes and all(d == {torch.bfloat16} for d in dtypes), dtypes
     eager, g_eager = run(_hinton)
     exact, g_exact = run(_hinton, exact=True)
     assert_within_torch_error(ours, eager, exact, what="compiled autocast loss")
@@ -645,3 +655,28 @@ def test_write_between_the_heads_and_the_loss_declines():
     report = inductor_xent.explain(fn, **ins)
     assert report.fused_count == 0, str(report)
     assert any("writes" in s.reason for s in report.sites if s.pattern == "distillation"), str(report)
+
+
+@pytest.mark.parametrize("reduction, hard, trained_teacher", [("sum", 0.0, False), ("mean", 0.3, True),
+                                                              ("none", 0.0, False), ("none", 0.3, True)])
+def test_opcheck_distill_ops(reduction, hard, trained_teacher):
+    """The two ops' schemas, fake shapes, autograd registration and aliasing (STYLE rule 5): the
+    forward for a reduced loss (its gradients in the forward) and per row (the backward op's case),
+    the hard-label CE mixed in or not, a student bias, the teacher trained or not."""
+    from inductor_xent import distill
+
+    ins = _inputs(seed=11)
+    hs, ws, bs = ins["hs"].reshape(-1, DS), ins["ws"], ins["bs"]
+    ht, wt = ins["ht"].reshape(-1, DT), ins["wt"]
+    y = ins["y"].reshape(-1)
+    for t in (hs, ws, bs) + ((ht, wt) if trained_teacher else ()):
+        t.requires_grad_()
+    needs = [True, True, True, trained_teacher, trained_teacher, False]
+    common = (y, -100, "jsd", 0.4, 1 / 1.5, 1 / 2.0)
+    weights = (1.0 - hard, hard, True, "")
+    torch.library.opcheck(distill.linear_distill_fwd, (hs, ws, bs, ht, wt, None, *common, reduction, needs, *weights))
+    if reduction == "none":
+        grad_rows = torch.randn(hs.shape[0])
+        plain = [t.detach() for t in (hs, ws, bs, ht, wt)]
+        torch.library.opcheck(distill.linear_distill_bwd, (grad_rows, *plain[:3], *plain[3:], None, *common, needs,
+                                                           *weights))
