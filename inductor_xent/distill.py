@@ -30,8 +30,15 @@ weight included, and ``N·V`` of them fit the store budget): then each chunk's s
 into its rows of ``dz``, the chunk's math turns them into the gradient in place, and the hidden and
 weight gradients are one GEMM each over all rows at the end (as
 torch.compile's, rounded once), with only the teacher's logits of one chunk (as large as the weight
-gradient, within 128 and 512 MiB) besides. A third way, recomputing the teacher's logits in a
-backward, would cost its GEMM (the largest of the four) twice.
+gradient, within 128 and 512 MiB) besides.
+
+A store budget of 0 (``recomputes``: ``store_budget=0``, ``strategy="recompute"``) keeps neither:
+the forward runs over row chunks and keeps per row only the two log-sum-exps and what the
+divergence's gradient needs of the whole row (``STATS``); the backward runs over column chunks of
+the vocabulary, recomputing both heads' logits of those columns for every row, so each chunk's
+weight-gradient rows are whole (one GEMM, rounded once) and only the hidden states' gradients add
+up over the chunks (in fp32, ``[N, D]``). Memory O(N·D + chunk); time: both heads' GEMMs twice
+(about 1.6× torch.compile's at a teacher twice the student's width).
 
 Under ``torch.autocast`` (fp32 master weights, bf16 activations) ``linear_distillation_loss`` casts
 each head's operands as autocast casts ``F.linear``'s, and the pass inserts the same casts; the ops
@@ -49,6 +56,13 @@ cross-entropy of ``target`` (its raw logits, the mean over the labelled rows; pe
 ``none``), both from the same chunk of student logits; ``mask_divergence`` False counts every
 row's divergence, the unlabelled ones too (the pass's ``α·CE + β·KD``, whose KD has no mask);
 ``store_budget`` is ``keeps_dz``'s (``""``: the configured one).
+
+``inductor_xent::linear_distill_recompute_fwd(<linear_distill_fwd's arguments but store_budget>) ->
+(loss, stats)``: the loss and ``[N, STATS]`` per-row statistics; its autograd formula calls
+``inductor_xent::linear_distill_recompute_bwd(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target,
+kind, beta, scale_s, scale_t, needs) -> (gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)`` with each divergence
+row's and cross-entropy row's incoming gradient (the reduction's weights folded in). The functional
+API and the pass call it where ``recomputes``.
 """
 
 from __future__ import annotations
@@ -121,32 +135,51 @@ def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: 
     with respect to ``us`` and ``ut`` (None where not asked)."""
     ls, lt = torch.log_softmax(us, -1), torch.log_softmax(ut, -1)
     q, p = ls.exp(), lt.exp()
+    rows, gs, gt, js_s, js_t = _divergence(kind, beta, ls, lt, q, p)
+    return (rows, *_du(kind, beta, ls, lt, q, p, rows, gs, gt, js_s, js_t, grad_s, grad_t))
+
+
+def _mixture_logs(beta: float, ls: Tensor, lt: Tensor):
+    """jsd: ``log q − log m`` and ``log p − log m`` for the mixture ``m = β p + (1 − β) q``."""
+    lm = torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))
+    return ls - lm, lt - lm
+
+
+def _divergence(kind: str, beta: float, ls: Tensor, lt: Tensor, q: Tensor, p: Tensor):
+    """Per row, from the log-probabilities ``ls`` (student), ``lt`` (teacher) and their
+    probabilities: (the divergence, and for jsd ``gs = log q − log m``, ``gt = log p − log m`` and the
+    row sums ``Σ q·gs``, ``Σ p·gt``; None for the KLs)."""
+    if kind == "forward_kl":
+        return (p * (lt - ls)).sum(-1), None, None, None, None
+    if kind == "reverse_kl":
+        return (q * (ls - lt)).sum(-1), None, None, None, None
+    gs, gt = _mixture_logs(beta, ls, lt)
+    js_s, js_t = (q * gs).sum(-1), (p * gt).sum(-1)
+    return beta * js_t + (1 - beta) * js_s, gs, gt, js_s, js_t
+
+
+def _du(kind: str, beta: float, ls: Tensor, lt: Tensor, q: Tensor, p: Tensor, rows: Tensor, gs, gt, js_s, js_t,
+        grad_s: bool, grad_t: bool):
+    """The divergence's gradients with respect to the scaled logits of the student and the teacher
+    (None where not asked), from ``_divergence``'s per-row values (``rows``, and jsd's row sums: a
+    chunk of columns needs only those, not the whole row)."""
     du_s = du_t = None
     if kind == "forward_kl":
-        diff = lt - ls
-        rows = (p * diff).sum(-1)
         if grad_s:
             du_s = q - p
         if grad_t:
-            du_t = p * (diff - rows[:, None])
+            du_t = p * (lt - ls - rows[:, None])
     elif kind == "reverse_kl":
-        diff = ls - lt
-        rows = (q * diff).sum(-1)
         if grad_s:
-            du_s = q * (diff - rows[:, None])
+            du_s = q * (ls - lt - rows[:, None])
         if grad_t:
             du_t = p - q
-    else:
-        lm = torch.logaddexp(lt + math.log(beta), ls + math.log1p(-beta))
-        gt, gs = lt - lm, ls - lm
-        rows = beta * (p * gt).sum(-1) + (1 - beta) * (q * gs).sum(-1)
-        if grad_s:  # d/dq of the divergence is (1 - β)(log q - log m), through the softmax
-            gs = (1 - beta) * gs
-            du_s = q * (gs - (q * gs).sum(-1, keepdim=True))
+    else:  # d/dq of the divergence is (1 − β)(log q − log m), through the softmax; p's alike with β
+        if grad_s:
+            du_s = (1 - beta) * q * (gs - js_s[:, None])
         if grad_t:
-            gt = beta * gt
-            du_t = p * (gt - (p * gt).sum(-1, keepdim=True))
-    return rows, du_s, du_t
+            du_t = beta * p * (gt - js_t[:, None])
+    return du_s, du_t
 
 
 def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Tensor], kind: str, beta: float,
@@ -205,11 +238,11 @@ def _compiled(fn):
     return call
 
 
-def _math_for(device: torch.device, into: bool = False):
-    """The chunk math: on CUDA compiled once by Inductor into a few fused kernels (eager PyTorch would
-    make a dozen passes over each [rows, V] chunk; ``into``: the last of them writes dz over the
-    student's logits); eager elsewhere."""
-    fn = _chunk_math_into if into else _chunk_math
+def _math_for(device: torch.device, fn=None):
+    """A chunk's math (``fn``, by default ``_chunk_math``): on CUDA compiled once by Inductor into a
+    few fused kernels (eager PyTorch would make a dozen passes over each [rows, V] chunk); eager
+    elsewhere."""
+    fn = fn or _chunk_math
     if device.type != "cuda":
         return fn
     if fn not in _fused:
@@ -292,7 +325,7 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
     dz = torch.empty(n, v, dtype=hs.dtype, device=hs.device)
     step = chunk_rows(n, v, hs.device, teacher_itemsize=ht.element_size(),
                       weight_grad_bytes=ws.numel() * ws.element_size())
-    math_fn = _math_for(hs.device, into=True)
+    math_fn = _math_for(hs.device, _chunk_math_into)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         part = dz[sl]
@@ -315,8 +348,164 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
     return rows_out, ce_out, [gh, gw, gb, None, None, None]
 
 
+# ---------------------------------------------------------------------------------------------
+# recompute (a store budget of 0): the forward keeps per-row statistics only; the backward
+# recomputes both heads' logits over column chunks of the vocabulary
+# ---------------------------------------------------------------------------------------------
+# per row: the log-sum-exps of both heads' scaled logits, the divergence, jsd's Σ q·(log q − log m)
+# and Σ p·(log p − log m), and the log-sum-exp of the student's raw logits (the cross-entropy's)
+STATS = 6
+# a chunk's working set on a GPU, forward (rows of both heads' logits) and backward (columns of every
+# row's logits and their gradients), at RECOMPUTE_CUDA_BYTES per logit (both heads' logits and
+# gradients in 16 bits, and fp32 temporaries of the fused math); the hidden states' fp32 gradients
+# come on top
+RECOMPUTE_CHUNK_BYTES = 256 * 2**20
+RECOMPUTE_CUDA_BYTES = 12
+
+
+def recomputes(needs, budget: str = "") -> bool:
+    """Whether the op keeps nothing for its backward but per-row statistics (``recompute``): when
+    gradients are asked for and the store budget is 0 (``store_budget=0``; ``budget`` ``""`` is the
+    configured one: ``INDUCTOR_XENT_STRATEGY=recompute``, ``INDUCTOR_XENT_STORE_BUDGET=0``; the pass
+    gives ``"0"`` for ``xent.strategy="recompute"``). Independent of the sizes: the pass and the
+    functional API choose the op from it."""
+    if not any(needs):
+        return False
+    if not budget and config.strategy() == "recompute":
+        return True
+    return config.parse_budget(budget or config.store_budget())[1] == 0
+
+
+def recompute_slice(count: int, across: int, device: torch.device) -> int:
+    """How many of ``count`` rows (the forward) or vocabulary columns (the backward) one recompute
+    chunk takes, each ``across`` logits wide: RECOMPUTE_CHUNK_BYTES on CUDA, else
+    ``config.fallback_chunk_bytes`` at CHUNK_TENSORS fp32 tensors (the eager math); whole 128-wide
+    GEMM tiles where more than 128 fit."""
+    if device.type == "cuda":
+        k = RECOMPUTE_CHUNK_BYTES // max(1, across * RECOMPUTE_CUDA_BYTES)
+    else:
+        k = config.fallback_chunk_bytes // max(1, across * 4 * CHUNK_TENSORS)
+    return max(1, min(count, k - k % 128 if k >= 128 else k))
+
+
+def _stats_math(zs: Tensor, zt: Tensor, valid: Optional[Tensor], kind: str, beta: float, scale_s: float,
+                scale_t: float, target: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None):
+    """The recompute forward on a chunk of rows: (the divergence rows, 0 where not ``valid``; with
+    ``target`` the cross-entropy rows, 0 where not ``ce_valid``, else None; the ``[rows, STATS]``
+    statistics)."""
+    work = compute_dtype(zs.dtype)
+    zw = zs.to(work)
+    us, ut = zw * scale_s, zt.to(work) * scale_t
+    lse_s, lse_t = us.logsumexp(-1), ut.logsumexp(-1)
+    ls, lt = us - lse_s[:, None], ut - lse_t[:, None]
+    rows, _, _, js_s, js_t = _divergence(kind, beta, ls, lt, ls.exp(), lt.exp())
+    zero = torch.zeros_like(rows)
+    ce, lse_raw = None, zero
+    if target is not None:
+        lse_raw = zw.logsumexp(-1)
+        ce = torch.where(ce_valid, lse_raw - zw.gather(1, torch.where(ce_valid, target, 0)[:, None])[:, 0], 0.0)
+    stats = torch.stack([lse_s, lse_t, rows, zero if js_s is None else js_s, zero if js_t is None else js_t,
+                         lse_raw], 1)
+    return rows if valid is None else torch.where(valid, rows, 0.0), ce, stats
+
+
+def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Optional[Tensor], col: Optional[Tensor],
+                    kind: str, beta: float, scale_s: float, scale_t: float, grad_s: bool, grad_t: bool):
+    """The recompute backward on a chunk of columns of every row: the gradients with respect to both
+    heads' logits of those columns (in their dtype; None where not asked) from the forward's
+    statistics. ``g``: each divergence row's incoming gradient (0 where not counted); ``g_ce``: each
+    cross-entropy row's (0 where unlabelled) or None; ``col``: each row's target column within the
+    chunk (the one-hot's; none outside ``[0, columns)``)."""
+    work = compute_dtype(zs.dtype)
+    zw = zs.to(work)
+    ls, lt = zw * scale_s - stats[:, 0:1], zt.to(work) * scale_t - stats[:, 1:2]
+    gs, gt = _mixture_logs(beta, ls, lt) if kind == "jsd" else (None, None)
+    du_s, du_t = _du(kind, beta, ls, lt, ls.exp(), lt.exp(), stats[:, 2], gs, gt, stats[:, 3], stats[:, 4], grad_s,
+                     grad_t)
+    dz_s = None if du_s is None else du_s * (g * scale_s)[:, None]  # d/dz = d/du * scale
+    if g_ce is not None and grad_s:
+        inside = (col >= 0) & (col < zs.shape[1])
+        du_ce = ((zw - stats[:, 5:6]).exp() * g_ce[:, None]).scatter_add(
+            1, torch.where(inside, col, 0)[:, None], torch.where(inside, -g_ce, 0.0)[:, None])
+        dz_s = du_ce if dz_s is None else dz_s + du_ce
+    dz_t = None if du_t is None else du_t * (g * scale_t)[:, None]
+    return None if dz_s is None else dz_s.to(zs.dtype), None if dz_t is None else dz_t.to(zt.dtype)
+
+
+def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
+                       scale_t: float, ce: bool, mask_divergence: bool):
+    """The divergence rows, the cross-entropy rows (with ``ce``, else None) and the statistics, over
+    row chunks of both heads' logits."""
+    n, v = hs.shape[0], ws.shape[0]
+    work = compute_dtype(hs.dtype)
+    rows_out = torch.empty(n, device=hs.device, dtype=work)
+    ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
+    stats = torch.empty(n, STATS, device=hs.device, dtype=work)
+    math_fn = _math_for(hs.device, _stats_math)
+    step = recompute_slice(n, v, hs.device)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
+        labelled = None if target is None else (target[sl] != ignore_index)
+        rows_out[sl], ce_rows, stats[sl] = math_fn(zs, zt, labelled if mask_divergence else None, kind, beta,
+                                                   scale_s, scale_t, target[sl] if ce else None,
+                                                   labelled if ce else None)
+        del zs, zt
+        if ce:
+            ce_out[sl] = ce_rows
+    return rows_out, ce_out, stats
+
+
+def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor, hs, ws, bs, ht, wt, bt,
+                     target: Optional[Tensor], kind: str, beta: float, scale_s: float, scale_t: float, needs) -> list:
+    """The gradients ``needs`` asks for (hs, ws, bs, ht, wt, bt; None elsewhere), over column chunks
+    of the vocabulary: each chunk's weight (and bias) gradient rows are whole (one GEMM over every
+    row, rounded once); the hidden states' sum over the chunks in fp32."""
+    n, v = hs.shape[0], ws.shape[0]
+    work = compute_dtype(hs.dtype)
+    heads = ((hs, ws, bs), (ht, wt, bt))
+    grads = [None] * 6
+    for first, (h, w, b) in zip((0, 3), heads):
+        if needs[first]:
+            grads[first] = torch.zeros(h.shape, device=h.device, dtype=work)
+        if needs[first + 1]:
+            grads[first + 1] = torch.zeros_like(w) if n == 0 else torch.empty_like(w)
+        if needs[first + 2] and b is not None:
+            grads[first + 2] = torch.zeros_like(b) if n == 0 else torch.empty_like(b)
+    grad_s, grad_t = any(needs[:3]), any(needs[3:])
+    math_fn = _math_for(hs.device, _recompute_math)
+    step = recompute_slice(v, n, hs.device) if n else v
+    for start in range(0, v if n else 0, step):
+        cols = slice(start, min(v, start + step))
+        zs = F.linear(hs, ws[cols], None if bs is None else bs[cols])
+        zt = F.linear(ht, wt[cols], None if bt is None else bt[cols])
+        col = None if grad_ce is None else target - start
+        dzs = math_fn(zs, zt, stats, grad_div, grad_ce, col, kind, beta, scale_s, scale_t, grad_s, grad_t)
+        del zs, zt
+        for dz, (h, w, _), first in zip(dzs, heads, (0, 3)):
+            if dz is None:
+                continue
+            if grads[first] is not None:
+                _acc_mm(grads[first], dz, w[cols])
+            if grads[first + 1] is not None:
+                torch.mm(dz.t(), h, out=grads[first + 1][cols])
+            if grads[first + 2] is not None:
+                grads[first + 2][cols] = dz.sum(0, dtype=work)
+    for i in (0, 3):
+        if grads[i] is not None:
+            grads[i] = grads[i].to(heads[i // 3][0].dtype)
+    return grads
+
+
 def _valid(target: Optional[Tensor], ignore_index: int, n: int, device) -> Tensor:
     return torch.ones(n, dtype=torch.bool, device=device) if target is None else target != ignore_index
+
+
+def _masks(target: Optional[Tensor], ignore_index: int, n: int, device, mask_divergence: bool):
+    """(the labelled rows, the rows whose divergence counts): every row's without a target or
+    without ``mask_divergence``."""
+    labelled = _valid(target, ignore_index, n, device)
+    return labelled, labelled if mask_divergence else _valid(None, ignore_index, n, device)
 
 
 def _row_weights(valid: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
@@ -326,10 +515,24 @@ def _row_weights(valid: Tensor, reduction: str, dtype: torch.dtype) -> Tensor:
     return options.reduction_weights(valid, reduction, dtype)
 
 
-def _reduced(rows: Tensor, valid: Tensor, reduction: str) -> Tensor:
+def _row_grads(labelled: Tensor, valid: Tensor, reduction: str, dtype: torch.dtype, soft_weight: float,
+               hard_weight: float):
+    """The reduced loss's gradient with respect to each divergence row (0 where not ``valid``) and
+    each cross-entropy row (the mean over the labelled rows; None without one)."""
+    row_grad = torch.where(valid, _row_weights(valid, reduction, dtype) * soft_weight, 0.0)
+    ce_grad = options.reduction_weights(labelled, "mean", dtype) * hard_weight if hard_weight != 0.0 else None
+    return row_grad, ce_grad
+
+
+def _reduced_loss(rows: Tensor, ce_rows: Optional[Tensor], labelled: Tensor, valid: Tensor, reduction: str,
+                  soft_weight: float, hard_weight: float) -> Tensor:
+    """soft_weight · the reduced divergence (+ hard_weight · the mean cross-entropy)."""
     if reduction == "batchmean":
-        return rows.sum() / max(rows.shape[0], 1)
-    return options.reduced(rows.sum(), valid, reduction)
+        loss = rows.sum() / max(rows.shape[0], 1)
+    else:
+        loss = options.reduced(rows.sum(), valid, reduction)
+    loss = loss * soft_weight
+    return loss if ce_rows is None else loss + options.reduced(ce_rows.sum(), labelled, "mean") * hard_weight
 
 
 def _empty(t: Optional[Tensor], like: Tensor) -> Tensor:
@@ -353,16 +556,11 @@ def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor,
                                    needs, **mixing)
         return (_mixed(rows, ce_rows, soft_weight, hard_weight), *(_empty(t, hs) for t in (hs, ws, bs, ht, wt, bt)))
     # the reduced loss: the gradient of each row is known now
-    labelled = _valid(target, ignore_index, hs.shape[0], hs.device)
-    valid = labelled if mask_divergence else _valid(None, ignore_index, hs.shape[0], hs.device)
-    work = compute_dtype(hs.dtype)
-    row_grad = _row_weights(valid, reduction, work) * soft_weight
-    ce_grad = options.reduction_weights(labelled, "mean", work) * hard_weight if ce else None
+    labelled, valid = _masks(target, ignore_index, hs.shape[0], hs.device, mask_divergence)
+    row_grad, ce_grad = _row_grads(labelled, valid, reduction, compute_dtype(hs.dtype), soft_weight, hard_weight)
     rows, ce_rows, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
                                    row_grad, needs, ce_grad=ce_grad, **mixing)
-    loss = _reduced(rows, valid, reduction) * soft_weight
-    if ce:
-        loss = loss + options.reduced(ce_rows.sum(), labelled, "mean") * hard_weight
+    loss = _reduced_loss(rows, ce_rows, labelled, valid, reduction, soft_weight, hard_weight)
     return (loss, *(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt))))
 
 
@@ -408,8 +606,14 @@ def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[T
 @linear_distill_bwd.register_fake
 def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, needs, soft_weight=1.0,
       hard_weight=0.0, mask_divergence=True, store_budget=""):
+    return _fake_grads((hs, ws, bs, ht, wt, bt), needs)
+
+
+def _fake_grads(inputs, needs) -> tuple:
+    """A backward's gradients as fakes: each needed one shaped as its input, the others empty."""
+    hs = inputs[0]
     return tuple(t.new_empty(t.shape) if (need and t is not None) else (t if t is not None else hs).new_empty(0)
-                 for t, need in zip((hs, ws, bs, ht, wt, bt), needs))
+                 for t, need in zip(inputs, needs))
 
 
 def _setup_context(ctx, inputs, output):
@@ -439,6 +643,77 @@ def _backward(ctx, grad_loss, *_grads):
 
 
 linear_distill_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("inductor_xent::linear_distill_recompute_fwd", mutates_args=())
+@_without_autocast
+def linear_distill_recompute_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor,
+                                 bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str,
+                                 beta: float, scale_s: float, scale_t: float, reduction: str, needs: list[bool],
+                                 soft_weight: float = 1.0, hard_weight: float = 0.0, mask_divergence: bool = True,
+                                 ) -> tuple[Tensor, Tensor]:
+    _check_weights(target, soft_weight, hard_weight)
+    rows, ce_rows, stats = _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s,
+                                              scale_t, hard_weight != 0.0, mask_divergence)
+    if reduction == "none":
+        return _mixed(rows, ce_rows, soft_weight, hard_weight), stats
+    labelled, valid = _masks(target, ignore_index, hs.shape[0], hs.device, mask_divergence)
+    return _reduced_loss(rows, ce_rows, labelled, valid, reduction, soft_weight, hard_weight), stats
+
+
+@linear_distill_recompute_fwd.register_fake
+def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, soft_weight=1.0,
+      hard_weight=0.0, mask_divergence=True):
+    dt = compute_dtype(hs.dtype)
+    return (hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt),
+            hs.new_empty((hs.shape[0], STATS), dtype=dt))
+
+
+@torch.library.custom_op("inductor_xent::linear_distill_recompute_bwd", mutates_args=())
+@_without_autocast
+def linear_distill_recompute_bwd(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor, hs: Tensor, ws: Tensor,
+                                 bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
+                                 target: Optional[Tensor], kind: str, beta: float, scale_s: float, scale_t: float,
+                                 needs: list[bool],
+                                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    grads = _recompute_grads(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta, scale_s, scale_t,
+                             needs)
+    return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
+
+
+@linear_distill_recompute_bwd.register_fake
+def _(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta, scale_s, scale_t, needs):
+    return _fake_grads((hs, ws, bs, ht, wt, bt), needs)
+
+
+def _recompute_setup_context(ctx, inputs, output):
+    hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, *weights = inputs
+    ctx.options = (ignore_index, kind, beta, scale_s, scale_t, list(needs), reduction)
+    ctx.weights = (*weights, *(1.0, 0.0, True)[len(weights):])  # soft_weight, hard_weight, mask_divergence
+    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, output[1])
+
+
+def _recompute_backward(ctx, grad_loss, _grad_stats):
+    ignore_index, kind, beta, scale_s, scale_t, needs, reduction = ctx.options
+    soft_weight, hard_weight, mask_divergence = ctx.weights
+    hs, ws, bs, ht, wt, bt, target, stats = ctx.saved_tensors
+    work = compute_dtype(hs.dtype)
+    labelled, valid = _masks(target, ignore_index, hs.shape[0], hs.device, mask_divergence)
+    g = grad_loss.to(work)
+    if reduction == "none":  # the rows are soft · divergence + hard · cross-entropy
+        grad_div = torch.where(valid, g * soft_weight, 0.0)
+        grad_ce = torch.where(labelled, g * hard_weight, 0.0) if hard_weight != 0.0 else None
+    else:
+        row_grad, ce_grad = _row_grads(labelled, valid, reduction, work, soft_weight, hard_weight)
+        grad_div, grad_ce = row_grad * g, None if ce_grad is None else ce_grad * g
+    grads = linear_distill_recompute_bwd(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta,
+                                         scale_s, scale_t, needs)
+    out = [gr if (need and gr.numel()) else None for gr, need in zip(grads, needs)]
+    return (*out, *(None,) * (ctx.n_inputs - 6))
+
+
+linear_distill_recompute_fwd.register_autograd(_recompute_backward, setup_context=_recompute_setup_context)
 
 
 def linear_distillation_loss(
@@ -478,8 +753,11 @@ def linear_distillation_loss(
     teacher gets gradients where its tensors require them (call it on ``.detach()``-ed tensors, or
     under ``torch.no_grad()`` for the teacher's forward, to train the student only).
     ``store_budget`` (bytes, ``"2GiB"``, or a fraction of the logits, ``"0.5x"``; default
-    ``INDUCTOR_XENT_STORE_BUDGET``, else ``"1x"``): how large the kept gradient logits may be; ``0``
-    keeps none (the chunks then add into an fp32 weight-gradient accumulator)."""
+    ``INDUCTOR_XENT_STORE_BUDGET``, else ``"1x"``): how large the kept gradient logits may be; a
+    smaller nonzero budget keeps none (the chunks then add into an fp32 ``[V, Ds]`` weight-gradient
+    accumulator); ``0`` (or ``INDUCTOR_XENT_STRATEGY=recompute``) keeps only per-row statistics and
+    recomputes both heads in the backward over vocabulary chunks: the least memory (an fp32 ``[N, D]``
+    per trained head and one chunk), both heads' GEMMs twice."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if reduction not in REDUCTIONS:
@@ -515,10 +793,11 @@ def linear_distillation_loss(
     t1 = None if target is None else target.reshape(-1)
     needs = [bool(x is not None and x.requires_grad and torch.is_grad_enabled())
              for x in (hs, student_weight, student_bias, ht, teacher_weight, teacher_bias)]
-    out = linear_distill_fwd(hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, t1, ignore_index,
-                             kind, float(beta), 1.0 / temperature, 1.0 / temperature, reduction, needs,
-                             float(soft_weight), float(hard_weight), True,
-                             "" if store_budget is None else str(store_budget))[0]
+    budget = "" if store_budget is None else str(store_budget)
+    args = (hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, t1, ignore_index, kind, float(beta),
+            1.0 / temperature, 1.0 / temperature, reduction, needs, float(soft_weight), float(hard_weight), True)
+    out = (linear_distill_recompute_fwd(*args) if recomputes(needs, budget) else
+           linear_distill_fwd(*args, budget))[0]
     return out.reshape(lead) if reduction == "none" else out
 
 

@@ -1,8 +1,8 @@
 """The ``inductor_xent`` operators in ``torch.library``; op names live here and nowhere else
 (other modules use ``FORWARD``, ``BACKWARD``, ``STORE``, ``STORE_SCALE``, ``STORE_SCALE_``,
 ``LOGPROB_FORWARD``, ``LOGPROB_BACKWARD``, ``LOGPROB_STORE``, ``LOGPROB_STORE_BACKWARD(_)``, and
-``DISTILL_FORWARD`` / ``DISTILL_BACKWARD``, the two-lm_head distillation ops that ``distill.py``
-defines next to their chunked implementation).
+``DISTILL_FORWARD`` / ``DISTILL_BACKWARD`` and ``DISTILL_RECOMPUTE`` / ``DISTILL_RECOMPUTE_BACKWARD``, the
+two-lm_head distillation ops that ``distill.py`` defines next to their chunked implementation).
 
 Strategy ``recompute`` (strategy.py):
 
@@ -696,3 +696,5 @@ from . import distill  # noqa: E402, F401 - registers them
 
 DISTILL_FORWARD = torch.ops.inductor_xent.linear_distill_fwd.default
 DISTILL_BACKWARD = torch.ops.inductor_xent.linear_distill_bwd.default
+DISTILL_RECOMPUTE = torch.ops.inductor_xent.linear_distill_recompute_fwd.default
+DISTILL_RECOMPUTE_BACKWARD = torch.ops.inductor_xent.linear_distill_recompute_bwd.default

@@ -390,19 +390,24 @@ def test_explain_says_when_dz_is_kept(keep, keep_dz_on_cpu, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("budget", ["1x", "0"])
+@pytest.mark.parametrize("budget", ["1x", "1", "0"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
-    """On the GPU in bf16 (the chunk math compiled by Inductor; budget 1x keeps dz, 0 accumulates in
-    fp32): Hinton KD mixed with the hard-label CE, student gradients, several chunks."""
+    """On the GPU in bf16 (the chunk math compiled by Inductor; budget 1x keeps dz, 1 byte accumulates
+    in fp32, 0 recomputes over vocabulary chunks): Hinton KD mixed with the hard-label CE, student
+    gradients, several chunks."""
     from inductor_xent import distill
 
     monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", budget)
     monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 256 * 4096 * 2)  # chunks of 256 rows: 4, the last short
-    kept = []
+    kept, recomputed = [], []
     real = distill._kept_dz_chunks
     monkeypatch.setattr(distill, "_kept_dz_chunks", lambda *a, **k: kept.append(1) or real(*a, **k))
+    grads_real = distill._recompute_grads
+    monkeypatch.setattr(distill, "_recompute_grads", lambda *a, **k: recomputed.append(1) or grads_real(*a, **k))
     monkeypatch.setattr(distill, "CUDA_CHUNK_BYTES", 200 * 4096 * 4 * distill.CHUNK_TENSORS)
+    # recompute: row chunks of 256 in the forward, column chunks of 1280 in the backward (4 each)
+    monkeypatch.setattr(distill, "RECOMPUTE_CHUNK_BYTES", 256 * 4096 * distill.RECOMPUTE_CUDA_BYTES)
     n, ds, dt, v = 777, 256, 384, 4096
     g = torch.Generator().manual_seed(11)
     y = torch.randint(0, v, (n,), generator=g)
@@ -427,7 +432,8 @@ def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
         same, same_g = _run(theirs, bf16, teacher_grad=False)
         exact, exact_g = _run(theirs, bf16, torch.float64, teacher_grad=False)
     assert_within_torch_error(out, same, exact, what=f"{kind} loss")
-    assert bool(kept) == (budget == "1x"), "the kept-dz path runs on CUDA within the budget, not at 0"
+    assert bool(kept) == (budget == "1x"), "the kept-dz path runs on CUDA within the budget only"
+    assert bool(recomputed) == (budget == "0"), "recompute runs at a budget of 0 only"
     for k in grads:
         assert grads[k].dtype == torch.bfloat16
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} grad {k}")
@@ -680,3 +686,146 @@ def test_opcheck_distill_ops(reduction, hard, trained_teacher):
         plain = [t.detach() for t in (hs, ws, bs, ht, wt)]
         torch.library.opcheck(distill.linear_distill_bwd, (grad_rows, *plain[:3], *plain[3:], None, *common, needs,
                                                            *weights))
+
+
+# ---------------------------------------------------------------------------------------------
+# recompute (a store budget of 0): per-row statistics kept, the backward over vocabulary chunks
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def recompute_chunks(monkeypatch):
+    """Small recompute chunks on CPU (rows of 3 in the forward, columns of 8 in the backward: V = 29
+    in four, the last short); counts each chunk's math, forward ("stats") and backward ("cols")."""
+    from inductor_xent import config, distill
+
+    monkeypatch.setattr(config, "fallback_chunk_bytes", 3 * V * 4 * distill.CHUNK_TENSORS)
+    assert distill.recompute_slice(B * T, V, torch.device("cpu")) == 3
+    assert distill.recompute_slice(V, B * T, torch.device("cpu")) == 8
+    calls = []
+    for name, tag in (("_stats_math", "stats"), ("_recompute_math", "cols")):
+        real = getattr(distill, name)
+        monkeypatch.setattr(distill, name, lambda *a, _r=real, _t=tag, **k: calls.append(_t) or _r(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("hard", [0.0, 0.3])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_recompute_matches_float64(kind, reduction, hard, recompute_chunks):
+    """store_budget=0: the loss and every gradient (student and teacher, the student's bias) within
+    torch's error of float64, the hard-label CE mixed in or not, over several row and column chunks."""
+    ins = _inputs(seed=5)
+    kw = dict(kind=kind, beta=0.3, temperature=1.7, reduction=reduction)
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, soft_weight=1.3, hard_weight=hard,
+                                        store_budget=0, **kw)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        return _mixed_reference(hs, ws, bs, ht, wt, y, kind, 0.3, 1.7, reduction, 1.3, hard)
+
+    out, grads = _run(ours, ins)
+    same, same_g = _run(theirs, ins)
+    exact, exact_g = _run(theirs, ins, torch.float64)
+    what = f"{kind} {reduction} hard={hard}"
+    assert_within_torch_error(out, same, exact, what=f"{what} loss")
+    assert set(grads) == set(same_g) == {"hs", "ws", "bs", "ht", "wt"}
+    for k in grads:
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{what} grad {k}")
+    assert recompute_chunks.count("stats") == 4 and recompute_chunks.count("cols") == 4, recompute_chunks
+
+
+def test_recompute_in_bfloat16_within_torch_error(recompute_chunks):
+    """bf16 operands: the hidden states' gradients summed over the column chunks in fp32 and rounded
+    once, each weight-gradient chunk one GEMM: within torch's error of float64."""
+    ins = _inputs(seed=6)
+    kw = dict(kind="jsd", beta=0.4, temperature=2.0, reduction="batchmean")
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, hard_weight=0.5, store_budget="0x",
+                                        **kw)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        return _mixed_reference(hs, ws, bs, ht, wt, y, kw["kind"], 0.4, 2.0, kw["reduction"], 1.0, 0.5)
+
+    bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in ins.items()}
+    out, grads = _run(ours, bf16, teacher_grad=False)
+    same, same_g = _run(theirs, bf16, teacher_grad=False)
+    exact, exact_g = _run(theirs, bf16, torch.float64, teacher_grad=False)
+    assert_within_torch_error(out, same, exact, what="bf16 loss")
+    assert recompute_chunks.count("cols") == 4
+    for k in grads:
+        assert grads[k].dtype == torch.bfloat16
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"bf16 grad {k}")
+
+
+def test_recompute_keeps_no_logits_sized_tensor(recompute_chunks):
+    """What autograd saves for the backward: the inputs and [N, STATS] statistics, no [N, V] tensor
+    (the default op saves its gradients, the student's weight gradient among them)."""
+    from inductor_xent import distill
+
+    ins = {k: v.reshape(-1, v.shape[-1]) if v.dim() == 3 else v for k, v in _inputs().items()}
+    hs, ws = ins["hs"].requires_grad_(), ins["ws"].requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        loss = linear_distillation_loss(hs, ws, ins["ht"], ins["wt"], ins["y"].reshape(-1), store_budget=0)
+    loss.backward()
+    assert (B * T, distill.STATS) in saved and (B * T, V) not in saved, saved
+    assert recompute_chunks.count("cols") == 4
+
+
+def test_recompute_follows_the_budget_and_the_strategy(recompute_chunks, monkeypatch):
+    """store_budget 0 / "0x", INDUCTOR_XENT_STORE_BUDGET=0 and INDUCTOR_XENT_STRATEGY=recompute take
+    the recompute op; the default budget and a loss without gradients do not; through the backend
+    xent.strategy="recompute" puts it in the graph, and explain says so."""
+    ins = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in _inputs().items()}
+    args = (ins["hs"], ins["ws"], ins["ht"], ins["wt"], ins["y"])
+
+    def ran(**kw):
+        recompute_chunks.clear()
+        linear_distillation_loss(*args, **kw).backward()
+        return "cols" in recompute_chunks
+
+    assert ran(store_budget=0) and ran(store_budget="0x") and not ran() and not ran(store_budget="1")
+    for env, value in (("INDUCTOR_XENT_STORE_BUDGET", "0"), ("INDUCTOR_XENT_STRATEGY", "recompute")):
+        monkeypatch.setenv(env, value)
+        assert ran()
+        monkeypatch.delenv(env)
+    recompute_chunks.clear()
+    with torch.no_grad():
+        linear_distillation_loss(*args, store_budget=0)
+    assert not recompute_chunks
+    monkeypatch.setenv("INDUCTOR_XENT_STRATEGY", "recompute")
+    site = inductor_xent.explain(_hinton, **{k: ins[k] for k in ("hs", "ws", "ht", "wt")}).sites[0]
+    monkeypatch.delenv("INDUCTOR_XENT_STRATEGY")
+    assert site.fused and site.strategy == "recompute" and "vocabulary chunks" in site.strategy_reason, site
+    rec = Recorder(**{"xent.strategy": "recompute"})
+    compiled = torch.compile(_hinton, backend=rec)
+    recompute_chunks.clear()
+    compiled(**{k: ins[k] for k in ("hs", "ws", "ht", "wt")}).backward()
+    assert ops.DISTILL_RECOMPUTE in rec.after[0] and ops.DISTILL_FORWARD not in rec.after[0]
+    assert "cols" in recompute_chunks
+
+
+@pytest.mark.parametrize("reduction, hard, trained_teacher", [("batchmean", 0.0, False), ("none", 0.3, True)])
+def test_opcheck_recompute_ops(reduction, hard, trained_teacher):
+    """The recompute ops' schemas, fakes, autograd and aliasing (STYLE rule 5)."""
+    from inductor_xent import distill
+
+    ins = _inputs(seed=12)
+    hs, ws, bs = ins["hs"].reshape(-1, DS), ins["ws"], ins["bs"]
+    ht, wt = ins["ht"].reshape(-1, DT), ins["wt"]
+    y = ins["y"].reshape(-1)
+    for t in (hs, ws, bs) + ((ht, wt) if trained_teacher else ()):
+        t.requires_grad_()
+    needs = [True, True, True, trained_teacher, trained_teacher, False]
+    common = (y, -100, "forward_kl", 0.5, 1 / 1.5, 1 / 1.5)
+    weights = (1.0 - hard, hard, True)
+    torch.library.opcheck(distill.linear_distill_recompute_fwd,
+                          (hs, ws, bs, ht, wt, None, *common, reduction, needs, *weights))
+    stats = distill.linear_distill_recompute_fwd(*(t.detach() for t in (hs, ws, bs, ht, wt)), None, *common,
+                                                 reduction, needs, *weights)[1]
+    n = hs.shape[0]
+    plain = [t.detach() for t in (hs, ws, bs, ht, wt)]
+    torch.library.opcheck(distill.linear_distill_recompute_bwd,
+                          (torch.randn(n), torch.randn(n) if hard else None, stats, *plain, None, y, "forward_kl",
+                           0.5, 1 / 1.5, 1 / 1.5, needs))

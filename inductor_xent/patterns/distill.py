@@ -377,16 +377,17 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     reduce, mix = f["reduce"], f.get("mix")
     kind, beta = f.get("kind", "forward_kl"), float(f.get("beta", 0.5))
     op_reduction = "none" if reduce == "none" else "sum"
+    # recompute (a store budget of 0) keeps per-row statistics for a backward over vocabulary chunks
+    op, tail = (ops.DISTILL_RECOMPUTE, ()) if distill.recomputes(needs, budget) else (ops.DISTILL_FORWARD, (budget,))
     if mix is not None:  # soft · Σ KL / divisor + hard · the mean cross-entropy, every row's KL counted
         target = mix["target"] if tval(mix["target"]).dim() == 1 else e.method("reshape", mix["target"], -1)
-        out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
-                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False,
-                     budget)
+        out = e.call(op, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
+                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False, *tail)
         node = mix["add"]
     else:
-        out = e.call(ops.DISTILL_FORWARD, hs, ws, bs, ht, wt, bt, None, -100,
+        out = e.call(op, hs, ws, bs, ht, wt, bt, None, -100,
                      kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs, 1.0, 0.0, True,
-                     budget)
+                     *tail)
     value = e.getitem(out, 0)
     # the sizes as numbers where they are static: a size read from the [N, V] log-probs would keep
     # them (and the student's logits) in the graph until a later pass removes them
@@ -415,8 +416,12 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
             graph.erase_node(n)
     kept = _kept_dz(q, needs, budget)
     what = "KL(p || q)" if kind == "forward_kl" else f"generalised JSD (beta={beta:g})"
+    recompute = distill.recomputes(needs, budget)
     how = "gradients in the forward" if reduce != "none" else "recompute"
-    if kept:
+    if recompute:
+        how = ("recompute: per-row statistics kept; the backward recomputes both heads' logits over "
+               "vocabulary chunks")
+    elif kept:
         avoided = max(0, avoided - kept)
         size = f"~{kept / 2**20:.0f} MiB" if kept >= 2**20 else f"~{kept / 2**10:.0f} KiB"
         how += (f"; the student's gradient logits of every row kept ({size}) for one weight-gradient "
@@ -427,7 +432,7 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                                  f"{mix['soft']:g} · Σ KL)" if mix else "")
                               + (", the target head without gradient" if not any(needs[3:]) else ""),
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
-                              strategy="store" if reduce != "none" else "recompute",
+                              strategy="store" if reduce != "none" and not recompute else "recompute",
                               strategy_reason=how, extra_bytes=kept or None)
 
 
