@@ -663,6 +663,17 @@ def test_write_between_the_heads_and_the_loss_declines():
     assert any("writes" in s.reason for s in report.sites if s.pattern == "distillation"), str(report)
 
 
+def _op_inputs(seed: int, trained_teacher: bool):
+    """The ops' operands as the functional API passes them (2-D hidden states, 1-D targets), the
+    student's (and a trained teacher's) requiring gradients, and the ``needs`` that says so."""
+    ins = _inputs(seed=seed)
+    hs, ws, bs = ins["hs"].reshape(-1, DS), ins["ws"], ins["bs"]
+    ht, wt = ins["ht"].reshape(-1, DT), ins["wt"]
+    for t in (hs, ws, bs) + ((ht, wt) if trained_teacher else ()):
+        t.requires_grad_()
+    return hs, ws, bs, ht, wt, ins["y"].reshape(-1), [True, True, True, trained_teacher, trained_teacher, False]
+
+
 @pytest.mark.parametrize("reduction, hard, trained_teacher", [("sum", 0.0, False), ("mean", 0.3, True),
                                                               ("none", 0.0, False), ("none", 0.3, True)])
 def test_opcheck_distill_ops(reduction, hard, trained_teacher):
@@ -671,13 +682,7 @@ def test_opcheck_distill_ops(reduction, hard, trained_teacher):
     the hard-label CE mixed in or not, a student bias, the teacher trained or not."""
     from inductor_xent import distill
 
-    ins = _inputs(seed=11)
-    hs, ws, bs = ins["hs"].reshape(-1, DS), ins["ws"], ins["bs"]
-    ht, wt = ins["ht"].reshape(-1, DT), ins["wt"]
-    y = ins["y"].reshape(-1)
-    for t in (hs, ws, bs) + ((ht, wt) if trained_teacher else ()):
-        t.requires_grad_()
-    needs = [True, True, True, trained_teacher, trained_teacher, False]
+    hs, ws, bs, ht, wt, y, needs = _op_inputs(11, trained_teacher)
     common = (y, -100, "jsd", 0.4, 1 / 1.5, 1 / 2.0)
     weights = (1.0 - hard, hard, True, "")
     torch.library.opcheck(distill.linear_distill_fwd, (hs, ws, bs, ht, wt, None, *common, reduction, needs, *weights))
@@ -811,13 +816,7 @@ def test_opcheck_recompute_ops(reduction, hard, trained_teacher):
     """The recompute ops' schemas, fakes, autograd and aliasing (STYLE rule 5)."""
     from inductor_xent import distill
 
-    ins = _inputs(seed=12)
-    hs, ws, bs = ins["hs"].reshape(-1, DS), ins["ws"], ins["bs"]
-    ht, wt = ins["ht"].reshape(-1, DT), ins["wt"]
-    y = ins["y"].reshape(-1)
-    for t in (hs, ws, bs) + ((ht, wt) if trained_teacher else ()):
-        t.requires_grad_()
-    needs = [True, True, True, trained_teacher, trained_teacher, False]
+    hs, ws, bs, ht, wt, y, needs = _op_inputs(12, trained_teacher)
     common = (y, -100, "forward_kl", 0.5, 1 / 1.5, 1 / 1.5)
     weights = (1.0 - hard, hard, True)
     torch.library.opcheck(distill.linear_distill_recompute_fwd,
