@@ -68,13 +68,14 @@ def ours(hs, ws, ht, wt):
 
 def ours_chunked(knob, nbytes, hs, ws, ht, wt):
     """The sweep's methods: ``ours_acc`` with ``distill.CUDA_CHUNK_BYTES`` (the accumulating chunks'
-    working set) or ``ours`` with ``distill.TEACHER_CHUNK_BYTES`` (the kept-dz chunks' teacher
-    logits) at ``nbytes`` for this call only."""
+    working set), ``ours`` with ``distill.TEACHER_CHUNK_BYTES`` (the kept-dz chunks' teacher logits)
+    or ``ours_recompute`` with ``distill.RECOMPUTE_CHUNK_BYTES`` at ``nbytes`` for this call only."""
     from inductor_xent import distill
     old = getattr(distill, knob)
     setattr(distill, knob, nbytes)
     try:
-        return (ours_acc if knob == "CUDA_CHUNK_BYTES" else ours)(hs, ws, ht, wt)
+        fn = {"CUDA_CHUNK_BYTES": ours_acc, "RECOMPUTE_CHUNK_BYTES": ours_recompute}.get(knob, ours)
+        return fn(hs, ws, ht, wt)
     finally:
         setattr(distill, knob, old)
 
@@ -183,7 +184,7 @@ def main(argv=None):
     ap.add_argument("--shape", default="8192x4096x8192x128256", help="N x D_student x D_teacher x V")
     ap.add_argument("--methods", default=",".join(METHODS),
                     help="also ours@<MiB>: ours_acc with that chunk working set; ours_kept@<MiB>: ours with its "
-                         "teacher chunk at that size")
+                         "teacher chunk at that size; ours_recompute@<MiB>: ours_recompute with that working set")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=0, help="then interleave the methods' fwd+bwd over N rounds")
@@ -205,12 +206,13 @@ def main(argv=None):
     for name in args.methods.split(","):
         fn = fns.get(name)
         note = None
-        if name.startswith(("ours@", "ours_kept@")):  # another chunk working set (MiB): the chunk-size sweep
+        if name.startswith(("ours@", "ours_kept@", "ours_recompute@")):  # another chunk size (MiB): the sweep
             mib = int(name.split("@")[1]) * 2**20
-            # bound per method (--rounds interleaves them): the accumulating chunks' working set, or the
-            # kept-dz chunks' teacher logits
-            fn = functools.partial(ours_chunked, "CUDA_CHUNK_BYTES" if name.startswith("ours@") else
-                                   "TEACHER_CHUNK_BYTES", mib)
+            # bound per method (--rounds interleaves them): the accumulating chunks' working set, the
+            # kept-dz chunks' teacher logits, or the recompute chunks' working set
+            knob = {"ours": "CUDA_CHUNK_BYTES", "ours_kept": "TEACHER_CHUNK_BYTES",
+                    "ours_recompute": "RECOMPUTE_CHUNK_BYTES"}[name.split("@")[0]]
+            fn = functools.partial(ours_chunked, knob, mib)
         if name.startswith("liger"):
             fn, note = liger_fn(name)
             if fn is None:
