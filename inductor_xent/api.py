@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import config, ops
+from . import config, ops, options
 from . import strategy as strategies
 from . import topk as _topk
 from .options import FLOAT_DTYPES, REDUCTIONS, check_temperature, fold_temperature, reduced
@@ -252,9 +252,7 @@ def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_sc
         raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
     if hidden.dtype not in FLOAT_DTYPES:
         raise TypeError(f"hidden must be float64, float32, bfloat16 or float16, got {hidden.dtype}")
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and t.dtype != hidden.dtype:
-            raise TypeError(f"{name}.dtype ({t.dtype}) must equal hidden.dtype ({hidden.dtype})")
+    options.check_head_dtypes(hidden, weight, bias)
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(
             f"target must hold integer class ids, got dtype {target.dtype} "

@@ -787,8 +787,8 @@ def linear_distillation_loss(
     # master weight gets its gradient in fp32, as in eager autocast
     student_hidden, student_weight, student_bias = _autocast(student_hidden, student_weight, student_bias)
     teacher_hidden, teacher_weight, teacher_bias = _autocast(teacher_hidden, teacher_weight, teacher_bias)
-    _check_dtypes("student", student_hidden, student_weight, student_bias)
-    _check_dtypes("teacher", teacher_hidden, teacher_weight, teacher_bias)
+    options.check_head_dtypes(student_hidden, student_weight, student_bias, "student")
+    options.check_head_dtypes(teacher_hidden, teacher_weight, teacher_bias, "teacher")
     hs, ht = student_hidden.reshape(-1, student_hidden.shape[-1]), teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
     t1 = None if target is None else target.reshape(-1)
     needs = [bool(x is not None and x.requires_grad and torch.is_grad_enabled())
@@ -799,11 +799,3 @@ def linear_distillation_loss(
     out = (linear_distill_recompute_fwd(*args) if recomputes(needs, budget) else
            linear_distill_fwd(*args, budget))[0]
     return out.reshape(lead) if reduction == "none" else out
-
-
-def _check_dtypes(head: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
-    """A head's operands in one dtype (after autocast's casts), as ``F.linear`` needs them: the op's
-    GEMMs, and the kept gradient logits' ``out=`` GEMMs, take them as they are."""
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
-        raise TypeError(f"the {head}'s hidden, weight and bias need one dtype (or torch.autocast to cast them), got "
-                        f"{hidden.dtype}, {weight.dtype}{'' if bias is None else ', ' + str(bias.dtype)}")

@@ -50,6 +50,17 @@ class LossOptions(NamedTuple):
     z_loss: float = 0.0
 
 
+def check_head_dtypes(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = None, head: str = "") -> None:
+    """A head's hidden states, weight and bias in one dtype (after ``torch.autocast``'s casts), as the
+    ops' GEMMs take them: else a ``TypeError`` naming the operand that differs (and ``head``, the
+    student's or the teacher's, where there are two)."""
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != hidden.dtype:
+            whose = f"the {head}'s " if head else ""
+            raise TypeError(f"{whose}{name}.dtype ({t.dtype}) must equal {'its ' if head else ''}hidden.dtype "
+                            f"({hidden.dtype}); inside torch.autocast they are cast as for F.linear")
+
+
 def check_temperature(temperature) -> float:
     """``temperature`` as a float: ``TypeError`` for anything but a Python number (a bool, a tensor, a
     string), ``ValueError`` for one that is not finite and > 0. Every functional API checks it here."""

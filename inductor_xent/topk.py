@@ -465,9 +465,7 @@ def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
                          f"{tuple(weight.shape)}")
     if bias is not None and bias.shape != (weight.shape[0],):
         raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise TypeError(f"hidden, weight and bias need one dtype, got {hidden.dtype}, {weight.dtype}"
-                        f"{'' if bias is None else ', ' + str(bias.dtype)}")
+    options.check_head_dtypes(hidden, weight, bias)
 
 
 def _scale_and_cap(temperature, logit_scale, softcap) -> tuple[float, Optional[float]]:

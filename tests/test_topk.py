@@ -160,7 +160,7 @@ def test_kept_set_of_every_column_is_the_plain_log_probs():
     (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0, got 0.0"),
     (dict(temperature=float("inf")), ValueError, "temperature must be a finite number > 0, got inf"),
     (dict(temperature="hot"), TypeError, "temperature must be a number, got str"),
-    (dict(weight_dtype=torch.float64), TypeError, "one dtype"),
+    (dict(weight_dtype=torch.float64), TypeError, "weight.dtype .torch.float64. must equal hidden.dtype"),
 ])
 def test_linear_topk_rejects(bad, error, words):
     h, w, b, _ = _inputs()
