@@ -33,6 +33,7 @@ each round), the median of the per-round ratios to torch.compile.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -66,16 +67,15 @@ def ours(hs, ws, ht, wt):
                                                   reduction="batchmean") * TEMP**2
 
 
-def ours_chunked(knob, nbytes, hs, ws, ht, wt):
-    """The sweep's methods: ``ours_acc`` with ``distill.CUDA_CHUNK_BYTES`` (the accumulating chunks'
-    working set), ``ours`` with ``distill.TEACHER_CHUNK_BYTES`` (the kept-dz chunks' teacher logits)
-    or ``ours_recompute`` with ``distill.RECOMPUTE_CHUNK_BYTES`` at ``nbytes`` for this call only."""
+@contextlib.contextmanager
+def chunk_knob(knob, nbytes):
+    """The sweep's methods: ``distill.<knob>`` at ``nbytes`` around one fwd+bwd (the recompute
+    backward reads its chunk size in the backward)."""
     from inductor_xent import distill
     old = getattr(distill, knob)
     setattr(distill, knob, nbytes)
     try:
-        fn = {"CUDA_CHUNK_BYTES": ours_acc, "RECOMPUTE_CHUNK_BYTES": ours_recompute}.get(knob, ours)
-        return fn(hs, ws, ht, wt)
+        yield
     finally:
         setattr(distill, knob, old)
 
@@ -127,7 +127,8 @@ def cublas(hs, ws, ht, wt):
     return s @ ws, s.t() @ hs, t
 
 
-def measure(name, fn, hs, ws, ht, wt, device, quick):
+def measure(name, fn, hs, ws, ht, wt, device, quick, knobs=None):
+    """(ms, extra MiB, outputs) of one method's fwd+bwd; ``knobs``: (name, bytes) for ``chunk_knob``."""
     if name == "cublas":
         def run():
             return cublas(hs, ws, ht, wt)
@@ -135,8 +136,9 @@ def measure(name, fn, hs, ws, ht, wt, device, quick):
         hr, wr = hs.detach().requires_grad_(), ws.detach().requires_grad_()
 
         def run():
-            loss = fn(hr, wr, ht, wt)
-            return loss, *torch.autograd.grad(loss, (hr, wr))
+            with chunk_knob(*knobs) if knobs else contextlib.nullcontext():
+                loss = fn(hr, wr, ht, wt)
+                return loss, *torch.autograd.grad(loss, (hr, wr))
     run()  # warm-up (compiles)
     if device == "cuda":
         ms = bk.bench_ms(run, quick, True)
@@ -205,14 +207,15 @@ def main(argv=None):
     results = []
     for name in args.methods.split(","):
         fn = fns.get(name)
-        note = None
+        note, knobs = None, None
         if name.startswith(("ours@", "ours_kept@", "ours_recompute@")):  # another chunk size (MiB): the sweep
             mib = int(name.split("@")[1]) * 2**20
             # bound per method (--rounds interleaves them): the accumulating chunks' working set, the
             # kept-dz chunks' teacher logits, or the recompute chunks' working set
-            knob = {"ours": "CUDA_CHUNK_BYTES", "ours_kept": "TEACHER_CHUNK_BYTES",
-                    "ours_recompute": "RECOMPUTE_CHUNK_BYTES"}[name.split("@")[0]]
-            fn = functools.partial(ours_chunked, knob, mib)
+            base, knob = {"ours": (ours_acc, "CUDA_CHUNK_BYTES"), "ours_kept": (ours, "TEACHER_CHUNK_BYTES"),
+                          "ours_recompute": (ours_recompute, "RECOMPUTE_CHUNK_BYTES")}[name.split("@")[0]]
+            fn = base
+            knobs = (knob, mib)
         if name.startswith("liger"):
             fn, note = liger_fn(name)
             if fn is None:
@@ -220,14 +223,15 @@ def main(argv=None):
                 print(f"| {name} | - | - | {note} |")
                 continue
         try:
-            ms, mib, out = measure(name, fn, hs, ws, ht, wt, device, args.quick)
+            ms, mib, out = measure(name, fn, hs, ws, ht, wt, device, args.quick, knobs)
         except Exception as e:  # noqa: BLE001
             results.append(dict(method=name, error=repr(e)[:300]))
             print(f"| {name} | error | {e!r} |"[:300])
             continue
         errs = {}
         if name != "cublas" and not name.startswith("liger"):
-            sub = reference_like(fn, hs, ws, ht, wt, rows)
+            with chunk_knob(*knobs) if knobs else contextlib.nullcontext():
+                sub = reference_like(fn, hs, ws, ht, wt, rows)
             errs = dict(loss=rel(sub[0], ref[0]), grad_hidden=rel(sub[1], ref[1]), grad_weight=rel(sub[2], ref[2]))
         results.append(dict(method=name, ms=ms, extra_mib=mib, errors=errs))
         if device == "cuda":

@@ -355,12 +355,12 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
 # per row: the log-sum-exps of both heads' scaled logits, the divergence, jsd's Σ q·(log q − log m)
 # and Σ p·(log p − log m), and the log-sum-exp of the student's raw logits (the cross-entropy's)
 STATS = 6
-# a chunk's working set on a GPU, forward (rows of both heads' logits) and backward (columns of every
-# row's logits and their gradients), at RECOMPUTE_CUDA_BYTES per logit (both heads' logits and
-# gradients in 16 bits, and fp32 temporaries of the fused math); the hidden states' fp32 gradients
-# come on top
+# a chunk's 16-bit tensors on a GPU: the forward's both heads' logits of a row chunk, the backward's
+# both heads' logits of a column chunk and the student's gradient logits (the fused math keeps no
+# other [rows, columns] tensor); the hidden states' fp32 gradients come on top. H100, the bench_distill
+# shape: row chunks of 128, 256 and 512 rows took 148, 120 and 114 ms fwd+bwd (the forward's GEMMs
+# want rows); 256 MiB gives 512 rows and 5376 columns there (benchmarks/RESULTS.md)
 RECOMPUTE_CHUNK_BYTES = 256 * 2**20
-RECOMPUTE_CUDA_BYTES = 12
 
 
 def recomputes(needs, budget: str = "") -> bool:
@@ -376,13 +376,13 @@ def recomputes(needs, budget: str = "") -> bool:
     return config.parse_budget(budget or config.store_budget())[1] == 0
 
 
-def recompute_slice(count: int, across: int, device: torch.device) -> int:
+def recompute_slice(count: int, across: int, device: torch.device, itemsize: int = 2, tensors: int = 2) -> int:
     """How many of ``count`` rows (the forward) or vocabulary columns (the backward) one recompute
-    chunk takes, each ``across`` logits wide: RECOMPUTE_CHUNK_BYTES on CUDA, else
-    ``config.fallback_chunk_bytes`` at CHUNK_TENSORS fp32 tensors (the eager math); whole 128-wide
-    GEMM tiles where more than 128 fit."""
+    chunk takes, each ``across`` logits wide: on CUDA ``tensors`` tensors of ``itemsize`` bytes within
+    RECOMPUTE_CHUNK_BYTES, else ``config.fallback_chunk_bytes`` at CHUNK_TENSORS fp32 tensors (the
+    eager math); whole 128-wide GEMM tiles where more than 128 fit."""
     if device.type == "cuda":
-        k = RECOMPUTE_CHUNK_BYTES // max(1, across * RECOMPUTE_CUDA_BYTES)
+        k = RECOMPUTE_CHUNK_BYTES // max(1, across * itemsize * tensors)
     else:
         k = config.fallback_chunk_bytes // max(1, across * 4 * CHUNK_TENSORS)
     return max(1, min(count, k - k % 128 if k >= 128 else k))
@@ -442,7 +442,7 @@ def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: 
     ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
     stats = torch.empty(n, STATS, device=hs.device, dtype=work)
     math_fn = _math_for(hs.device, _stats_math)
-    step = recompute_slice(n, v, hs.device)
+    step = recompute_slice(n, v, hs.device, hs.element_size(), 2)  # both heads' logits
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
@@ -474,7 +474,7 @@ def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor,
             grads[first + 2] = torch.zeros_like(b) if n == 0 else torch.empty_like(b)
     grad_s, grad_t = any(needs[:3]), any(needs[3:])
     math_fn = _math_for(hs.device, _recompute_math)
-    step = recompute_slice(v, n, hs.device) if n else v
+    step = recompute_slice(v, n, hs.device, hs.element_size(), 3) if n else v  # both heads' logits and dz
     for start in range(0, v if n else 0, step):
         cols = slice(start, min(v, start + step))
         zs = F.linear(hs, ws[cols], None if bs is None else bs[cols])

@@ -407,8 +407,11 @@ def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
     grads_real = distill._recompute_grads
     monkeypatch.setattr(distill, "_recompute_grads", lambda *a, **k: recomputed.append(1) or grads_real(*a, **k))
     monkeypatch.setattr(distill, "CUDA_CHUNK_BYTES", 200 * 4096 * 4 * distill.CHUNK_TENSORS)
-    # recompute: row chunks of 256 in the forward, column chunks of 1280 in the backward (4 each)
-    monkeypatch.setattr(distill, "RECOMPUTE_CHUNK_BYTES", 256 * 4096 * distill.RECOMPUTE_CUDA_BYTES)
+    # recompute: row chunks of 256 in the forward (two bf16 [rows, V]: four, the last short), column
+    # chunks of 896 in the backward (three bf16 [N, columns]: five, the last short)
+    monkeypatch.setattr(distill, "RECOMPUTE_CHUNK_BYTES", 256 * 4096 * 2 * 2)
+    assert distill.recompute_slice(777, 4096, torch.device("cuda"), 2, 2) == 256
+    assert distill.recompute_slice(4096, 777, torch.device("cuda"), 2, 3) == 896
     n, ds, dt, v = 777, 256, 384, 4096
     g = torch.Generator().manual_seed(11)
     y = torch.randint(0, v, (n,), generator=g)

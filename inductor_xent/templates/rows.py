@@ -62,7 +62,7 @@ def rows_mm_kernel(
     BOUND_M: tl.constexpr, TRANS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_OUT_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
-    USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = 0,
+    USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """Output tiles of op(a) @ b for rows (BOUND_M) or a contraction (BOUND_K) bounded by count.
     With USE_TMA a_ptr / b_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] ([BLOCK_K, BLOCK_M] with
@@ -77,8 +77,7 @@ def rows_mm_kernel(
     num_pid_m = cdiv(m_eff, BLOCK_M)
     num_pid_n = cdiv(N, BLOCK_N)
     tile_c = tl.program_id(0) - NUM_PROGRAMS  # the epilogue's tile counter (store.lce_store_fwd_kernel)
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE == 1):
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, NUM_PROGRAMS, flatten=FLATTEN):
         pid_m, pid_n = grouped_pid(tile, num_pid_m, num_pid_n, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -86,7 +85,7 @@ def rows_mm_kernel(
         offs_n = off_n + tl.arange(0, BLOCK_N)
         acc = tl.full((BLOCK_M, BLOCK_N), 0.0, dtype=tl.float32)
         if USE_TMA:
-            for k in tl.range(0, k_end, BLOCK_K, warp_specialize=WARP_SPECIALIZE == 2):
+            for k in range(0, k_end, BLOCK_K):
                 if TRANS_A:
                     a = a_ptr.load([k, off_m]).T
                 else:
@@ -191,7 +190,6 @@ def rows_mm(
     input_precision: str = "tf32",
     cfg: Optional[KernelConfig] = None,
     flatten: Optional[bool] = None,
-    warp_specialize: int = 0,  # Triton's warp specialisation of the tile loop (1) or the K loop (2); TMA only
 ) -> None:
     """out (+)= op(a) @ b over the first ``count`` rows of the product (bound "m": the other rows of
     ``out`` are left as they were) or the first ``count`` rows of the contraction (bound "k"), fp32
@@ -204,7 +202,7 @@ def rows_mm(
         # the interpreter truncates fp32 -> 16-bit casts (backward.py's dz_dtype): fp32 here, torch rounds
         wide = out.float()
         rows_mm(wide, a, b, count, out_rows=out_rows, bound=bound, trans_a=trans_a, accumulate=accumulate,
-                input_precision=input_precision, cfg=cfg, flatten=flatten, warp_specialize=warp_specialize)
+                input_precision=input_precision, cfg=cfg, flatten=flatten)
         out.copy_(wide)
         return
     cfg = cfg or mm_config(a.dtype, out.dtype)
@@ -224,6 +222,5 @@ def rows_mm(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         INPUT_PRECISION=input_precision, NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(),
         USE_TMA=use_tma, NUM_PROGRAMS=programs, FLATTEN=use_tma if flatten is None else (flatten and use_tma),
-        WARP_SPECIALIZE=warp_specialize if use_tma else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
