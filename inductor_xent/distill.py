@@ -358,7 +358,7 @@ STATS = 6
 # a chunk's 16-bit tensors on a GPU: the forward's both heads' logits of a row chunk, the backward's
 # both heads' logits of a column chunk and the student's gradient logits (the fused math keeps no
 # other [rows, columns] tensor); the hidden states' fp32 gradients come on top. H100, the bench_distill
-# shape: row chunks of 128, 256 and 512 rows took 148, 120 and 114 ms fwd+bwd (the forward's GEMMs
+# shape: row chunks of 128, 256 and 640 rows took 148, 120 and 114 ms fwd+bwd (the forward's GEMMs
 # want rows); 256 MiB gives 512 rows and 5376 columns there (benchmarks/RESULTS.md)
 RECOMPUTE_CHUNK_BYTES = 256 * 2**20
 
