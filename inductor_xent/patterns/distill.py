@@ -65,8 +65,9 @@ LOGSUMEXP = (torch.logsumexp, "logsumexp")
 def run(gm: GraphModule, log, strategy: Optional[str] = None, store_budget=None) -> list:
     """Rewrite every distillation site of ``gm``; one ``SiteReport`` per site found. Analysis is
     pure: a bug there declines the site (logged); a rewrite is not guarded. ``strategy`` /
-    ``store_budget``: the pass's (``recompute`` keeps no gradient logits; the budget bounds them:
-    distill.keeps_dz)."""
+    ``store_budget``: the pass's (``recompute``, like a budget of 0, takes the recompute op, which
+    keeps per-row statistics only: distill.recomputes; otherwise the budget bounds the kept gradient
+    logits: distill.keeps_dz)."""
     which = strategy or config.strategy()
     budget = "0" if which == "recompute" else ("" if store_budget is None else str(store_budget))
     reports = []
