@@ -845,3 +845,26 @@ def test_recompute_gives_the_same_bits_every_time(recompute_chunks):
     (a, ga), (b, gb) = _run(ours, ins), _run(ours, ins)
     assert torch.equal(a, b) and ga.keys() == gb.keys()
     assert all(torch.equal(ga[k], gb[k]) for k in ga)
+
+
+def test_recompute_under_autocast_matches_the_default_path(recompute_chunks):
+    """CPU bf16 autocast, bf16 hidden states with fp32 master weights and bias: the recompute op gets
+    the cast operands (its ran chunks say so), the fp32 leaves get fp32 gradients through the casts,
+    and the loss and gradients agree with the default path's to bf16's rounding."""
+    ins = _inputs(seed=14)
+    y = ins["y"]
+    leaves = (ins["hs"].bfloat16().requires_grad_(), ins["ws"].clone().requires_grad_(),
+              ins["bs"].clone().requires_grad_())
+    out = {}
+    for budget in (0, "1x"):
+        recompute_chunks.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_distillation_loss(*leaves[:2], ins["ht"].bfloat16(), ins["wt"], y, student_bias=leaves[2],
+                                            kind="reverse_kl", temperature=2.0, hard_weight=0.3, store_budget=budget)
+        out[budget] = (loss.detach(), torch.autograd.grad(loss, leaves))
+        assert ("cols" in recompute_chunks) == (budget == 0)
+    (l0, g0), (l1, g1) = out[0], out["1x"]
+    assert [g.dtype for g in g0] == [torch.bfloat16, torch.float32, torch.float32]
+    torch.testing.assert_close(l0, l1, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g0, g1):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2**-8
