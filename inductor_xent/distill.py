@@ -616,15 +616,22 @@ def _fake_grads(inputs, needs) -> tuple:
                  for t, need in zip(inputs, needs))
 
 
-def _setup_context(ctx, inputs, output):
-    hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, *weights = inputs
+def _keep_options(ctx, inputs, defaults: tuple) -> None:
+    """The forward op's non-tensor arguments on ``ctx``: ``options`` (ignore_index, kind, beta,
+    scale_s, scale_t, needs), ``reduction``, ``weights`` (the trailing arguments, ``defaults`` where
+    not given) and ``n_inputs``."""
+    ignore_index, kind, beta, scale_s, scale_t, reduction, needs, *weights = inputs[7:]
     ctx.options = (ignore_index, kind, beta, scale_s, scale_t, list(needs))
-    # (soft_weight, hard_weight, mask_divergence, store_budget), the defaults where not given
-    ctx.weights = (*weights, *(1.0, 0.0, True, "")[len(weights):])
-    ctx.n_inputs = len(inputs)
     ctx.reduction = reduction
-    if reduction == "none":
-        ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target)
+    ctx.weights = (*weights, *defaults[len(weights):])
+    ctx.n_inputs = len(inputs)
+
+
+def _setup_context(ctx, inputs, output):
+    # (soft_weight, hard_weight, mask_divergence, store_budget), the defaults where not given
+    _keep_options(ctx, inputs, (1.0, 0.0, True, ""))
+    if ctx.reduction == "none":
+        ctx.save_for_backward(*inputs[:7])
     else:
         ctx.save_for_backward(*output[1:])
 
@@ -687,15 +694,13 @@ def _(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta, scal
 
 
 def _recompute_setup_context(ctx, inputs, output):
-    hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, *weights = inputs
-    ctx.options = (ignore_index, kind, beta, scale_s, scale_t, list(needs), reduction)
-    ctx.weights = (*weights, *(1.0, 0.0, True)[len(weights):])  # soft_weight, hard_weight, mask_divergence
-    ctx.n_inputs = len(inputs)
-    ctx.save_for_backward(hs, ws, bs, ht, wt, bt, target, output[1])
+    _keep_options(ctx, inputs, (1.0, 0.0, True))
+    ctx.save_for_backward(*inputs[:7], output[1])
 
 
 def _recompute_backward(ctx, grad_loss, _grad_stats):
-    ignore_index, kind, beta, scale_s, scale_t, needs, reduction = ctx.options
+    ignore_index, kind, beta, scale_s, scale_t, needs = ctx.options
+    reduction = ctx.reduction
     soft_weight, hard_weight, mask_divergence = ctx.weights
     hs, ws, bs, ht, wt, bt, target, stats = ctx.saved_tensors
     work = compute_dtype(hs.dtype)
