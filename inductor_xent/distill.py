@@ -77,6 +77,7 @@ from torch import Tensor
 from . import config, options, strategy
 from .ops import _without_autocast  # (ops imports this module at its end, after defining it)
 from .options import compute_dtype
+from .templates import rows as compaction
 
 Kind = Literal["forward_kl", "reverse_kl", "jsd"]
 KINDS = ("forward_kl", "reverse_kl", "jsd")
@@ -210,14 +211,17 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     return rows, dz_s, ce, dz_t
 
 
+
 def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor], kind: str, beta: float,
                      scale_s: float, scale_t: float, target: Optional[Tensor] = None, g_ce: Optional[Tensor] = None,
                      ce_valid: Optional[Tensor] = None):
     """``_chunk_math`` for ``keeps_dz``: ``dz`` holds the chunk's student logits and gets their
-    gradient in place; returns the rows (and the cross-entropy rows or None)."""
+    gradient in place, exactly 0 on the rows not ``valid`` (whose logits a count-bounded GEMM may not
+    have written: a product with 0 would keep a NaN there); returns the rows (and the cross-entropy
+    rows or None)."""
     rows, dz_s, ce, _ = _chunk_math(dz, zt, g, valid, kind, beta, scale_s, scale_t, True, False, target, g_ce,
                                     ce_valid)
-    dz.copy_(dz_s)
+    dz.copy_(dz_s if valid is None else torch.where(valid[:, None], dz_s, 0.0))
     return rows, ce
 
 
@@ -315,25 +319,53 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     return rows_out, ce_out, grads
 
 
+def skips_rows(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
+               target: Optional[Tensor], mask_divergence: bool) -> bool:
+    """Whether ``_kept_dz_chunks`` computes the labelled rows only (templates/rows.py, ``compaction``: moved first on
+    the device, every GEMM stopping at their count, no host sync): a target whose ignored rows carry
+    no divergence (``mask_divergence``) and no cross-entropy, biasless 16-bit heads
+    (``rows.compacts``), on CUDA (or in Triton's interpreter)."""
+    if target is None or not mask_divergence or bs is not None or bt is not None:
+        return False
+    if hs.device.type != "cuda" and not config.triton_interpret():
+        return False
+    return hs.dtype == ht.dtype and compaction.compacts(hs.dtype)
+
+
 def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
                     scale_t: float, row_grad: Tensor, needs: tuple, rows_out: Tensor, ce_out: Optional[Tensor],
                     ce_grad: Optional[Tensor], mask_divergence: bool):
     """``_chunks`` when ``keeps_dz``: the student's gradient logits of every row in one ``[N, V]``
     tensor (each chunk's GEMM writes its logits there, its math their gradient over them), the
-    student's gradients from all of it at the end."""
+    student's gradients from all of it at the end. Where ``skips_rows``, the labelled rows first and
+    nothing computed past their count: the chunks' two GEMMs, the gradients' two."""
     n, v = hs.shape[0], ws.shape[0]
     dz = torch.empty(n, v, dtype=hs.dtype, device=hs.device)
     step = chunk_rows(n, v, hs.device, teacher_itemsize=ht.element_size(),
                       weight_grad_bytes=ws.numel() * ws.element_size())
     math_fn = _math_for(hs.device, _chunk_math_into)
-    for start in range(0, n, step):
+    skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)
+    if skip:
+        order, count = compaction.compact(target != ignore_index)
+        hs, ht, target, row_grad = (t.index_select(0, order) for t in (hs, ht, target, row_grad))
+        ce_grad = None if ce_grad is None else ce_grad.index_select(0, order)
+        counts = (count - torch.arange(0, n, step, device=hs.device, dtype=torch.int32)).clamp_(0, step)
+        zt_buf = torch.empty(min(n, step), v, dtype=ht.dtype, device=ht.device)
+        rows_all, ce_all = rows_out, ce_out  # written through `order` at the end
+        rows_out, ce_out = torch.empty_like(rows_all), None if ce_all is None else torch.empty_like(ce_all)
+    for i, start in enumerate(range(0, n, step)):
         sl = slice(start, min(n, start + step))
         part = dz[sl]
-        if bs is None:
-            torch.mm(hs[sl], ws.t(), out=part)
+        if skip:  # rows past the chunk's count stay as they were: the math zeroes their gradient
+            compaction.rows_mm(part, hs[sl], ws.t(), counts[i:i + 1], bound="m")
+            zt = zt_buf[:part.shape[0]]
+            compaction.rows_mm(zt, ht[sl], wt.t(), counts[i:i + 1], bound="m")
         else:
-            torch.addmm(bs, hs[sl], ws.t(), out=part)
-        zt = F.linear(ht[sl], wt, bt)
+            if bs is None:
+                torch.mm(hs[sl], ws.t(), out=part)
+            else:
+                torch.addmm(bs, hs[sl], ws.t(), out=part)
+            zt = F.linear(ht[sl], wt, bt)
         labelled = None if target is None else (target[sl] != ignore_index)
         rows_out[sl], ce_rows = math_fn(part, zt, row_grad[sl], labelled if mask_divergence else None, kind, beta,
                                         scale_s, scale_t, target[sl] if ce_out is not None else None,
@@ -342,6 +374,13 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
         del zt
         if ce_out is not None:
             ce_out[sl] = ce_rows
+    if skip:
+        rows_all.index_copy_(0, order, rows_out)
+        if ce_all is not None:
+            ce_all.index_copy_(0, order, ce_out)
+        gh = torch.zeros(n, hs.shape[1], dtype=hs.dtype, device=hs.device) if needs[0] else None
+        gw = compaction.row_grads(dz, ws, hs, count, order, gh, needs[1])
+        return rows_all, ce_all, [gh, gw, None, None, None, None]
     gh = (dz @ ws).to(hs.dtype) if needs[0] else None  # whole GEMMs: a chunk's rows would not fill the GPU
     gw = (dz.t() @ hs).to(ws.dtype) if needs[1] else None
     gb = dz.sum(0, dtype=compute_dtype(dz.dtype)).to(bs.dtype) if needs[2] and bs is not None else None

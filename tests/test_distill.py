@@ -67,7 +67,7 @@ def _mixed_reference(hs, ws, bs, ht, wt, y, kind, beta, temperature, reduction, 
     over labelled rows, per row for "none"), computed apart."""
     kd = _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=bs)
     z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
-    ce = F.cross_entropy(z.reshape(-1, V), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
+    ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
     return soft * kd + hard * ce.reshape(kd.shape)
 
 
@@ -868,3 +868,150 @@ def test_recompute_under_autocast_matches_the_default_path(recompute_chunks):
     torch.testing.assert_close(l0, l1, rtol=1e-5, atol=1e-6)
     for a, b in zip(g0, g1):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2**-8
+
+
+# ---------------------------------------------------------------------------------------------
+# ignored rows: the kept path computes the labelled rows only (distill.skips_rows)
+# ---------------------------------------------------------------------------------------------
+def _prompted(n=48, ds=16, dt=24, v=64, seed=31, device="cpu", prompt=14, pad=3):
+    """bf16 heads without biases and a target whose first ``prompt`` rows of each of two sequences
+    are a prompt (ignored), and the last ``pad`` rows padding; 16-byte aligned rows (the TMA and
+    grouped paths)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, v, (n,), generator=g)
+    for s in range(2):
+        y[s * n // 2: s * n // 2 + prompt] = -100
+    y[n - pad:] = -100
+    ins = dict(hs=torch.randn(n, ds, generator=g), ws=torch.randn(v, ds, generator=g) * 0.5,
+               ht=torch.randn(n, dt, generator=g), wt=torch.randn(v, dt, generator=g) * 0.5)
+    return {k: x.to(device, torch.bfloat16) for k, x in ins.items()}, y.to(device)
+
+
+def _skip_calls(monkeypatch):
+    """Counts the count-bounded GEMMs that run (templates/rows.py's, for the chunks and the gradients)."""
+    from inductor_xent.templates import rows
+
+    calls = []
+    for name in ("rows_mm", "grouped_rows_mm"):
+        real = getattr(rows, name)
+        monkeypatch.setattr(rows, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("gemm", ["triton", "grouped"])
+@pytest.mark.parametrize("kind, reduction, hard", [("forward_kl", "batchmean", 0.0), ("reverse_kl", "mean", 0.4),
+                                                   ("jsd", "sum", 0.0), ("forward_kl", "none", 0.4)])
+def test_kept_dz_skips_ignored_rows(kind, reduction, hard, gemm, keep_dz_on_cpu, monkeypatch):
+    """With a target (prompt spans and padding ignored) the kept path moves the labelled rows first
+    and every GEMM stops at their count (the chunks' logits in Triton, the gradients in Triton or
+    torch._grouped_mm): values and student gradients within torch's error of float64, the ignored
+    rows' hidden gradient exactly 0, chunks of 3 rows past the count included."""
+    from inductor_xent import distill
+
+    monkeypatch.setenv("INDUCTOR_XENT_GROUPED_MM", "0" if gemm == "triton" else "1")
+    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 3 * 64 * 2)  # 3 bf16 rows of V = 64
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted()
+    kw = dict(kind=kind, beta=0.3, temperature=1.5, reduction=reduction, soft_weight=1.2, hard_weight=hard)
+
+    def run(dtype, fn):
+        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
+        gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]], gout))
+
+    def theirs(hs, ws, ht, wt, y):
+        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 1.5, reduction, 1.2, hard)
+
+    ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+    assert "op" in keep_dz_on_cpu, "the kept path did not run"
+    assert calls.count("rows_mm") >= 2 * -(-48 // 3), calls  # both heads' logits in every chunk
+    assert ("grouped_rows_mm" in calls) == (gemm == "grouped"), calls
+    same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
+        assert_within_torch_error(a, b, c, what=f"{kind} {reduction} {what}")
+    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
+
+
+@pytest.mark.parametrize("gemm", ["triton", "grouped"])
+def test_kept_dz_never_reads_ignored_rows(gemm, keep_dz_on_cpu, monkeypatch):
+    """With the labelled rows' count a multiple of the GEMMs' K step (16 under the interpreter, 64 on
+    the GPU: the weight gradient's K loop reads whole steps), NaN in the ignored rows' hidden states
+    (student and teacher) leaves the loss and the student's gradients finite and equal to those of
+    the labelled rows alone. Fails if those rows are computed: with INDUCTOR_XENT_SKIP_IGNORED=0 the
+    NaN reaches the weight gradient."""
+    monkeypatch.setenv("INDUCTOR_XENT_GROUPED_MM", "0" if gemm == "triton" else "1")
+    ins, y = _prompted(seed=32, prompt=16, pad=0)  # 16 labelled rows
+    keep = y != -100
+    for k in ("hs", "ht"):
+        ins[k][~keep] = float("nan")
+
+    def run(sel):
+        hs, ws = ins["hs"][sel].clone().requires_grad_(), ins["ws"].clone().requires_grad_()
+        loss = linear_distillation_loss(hs, ws, ins["ht"][sel], ins["wt"], y[sel], kind="jsd", reduction="sum",
+                                        hard_weight=0.5)
+        loss.backward()
+        return loss.detach(), hs.grad, ws.grad
+
+    everything = torch.ones_like(keep)
+    loss, gh, gw = run(everything)
+    loss_v, gh_v, gw_v = run(keep)
+    assert "op" in keep_dz_on_cpu, "the kept path did not run"
+    assert torch.allclose(loss, loss_v, rtol=1e-6, atol=0) and torch.equal(gw, gw_v)  # the sum's order differs
+    assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert run(everything)[2].isnan().any()
+
+
+def test_kept_dz_skips_only_where_it_may(keep_dz_on_cpu, monkeypatch):
+    """No target, an unmasked divergence (the pass's α·CE + β·KD), a bias, fp32 heads, or
+    INDUCTOR_XENT_SKIP_IGNORED=0: every row computed, by cuBLAS-style whole GEMMs."""
+    from inductor_xent import distill
+
+    ins, y = _prompted()
+    hs, ws, ht, wt = ins["hs"], ins["ws"], ins["ht"], ins["wt"]
+    bias = torch.zeros(ws.shape[0], dtype=ws.dtype)
+    assert distill.skips_rows(hs, ws, None, ht, wt, None, y, True)
+    assert not distill.skips_rows(hs, ws, None, ht, wt, None, None, True)
+    assert not distill.skips_rows(hs, ws, None, ht, wt, None, y, False)
+    assert not distill.skips_rows(hs, ws, bias, ht, wt, None, y, True)
+    assert not distill.skips_rows(hs.float(), ws.float(), None, ht.float(), wt.float(), None, y, True)
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert not distill.skips_rows(hs, ws, None, ht, wt, None, y, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("gemm", ["triton", "grouped"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_kept_dz_skips_ignored_rows(kind, gemm, monkeypatch):
+    """On the GPU in bf16 with half of each sequence a prompt: the labelled rows only (the chunks'
+    logits by the count-bounded Triton GEMM, the gradients by it or by torch._grouped_mm where it
+    runs CUTLASS), values and student gradients within torch's error of float64 over several chunks,
+    the ignored rows' hidden gradient 0."""
+    from inductor_xent import distill
+    from inductor_xent.templates import rows
+
+    monkeypatch.setenv("INDUCTOR_XENT_GROUPED_MM", "0" if gemm == "triton" else "")
+    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 256 * 4096 * 2)  # chunks of 256 rows
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted(n=1024, ds=256, dt=384, v=4096, seed=33, device="cuda", prompt=256, pad=37)
+    kw = dict(kind=kind, beta=0.3, temperature=2.0, reduction="batchmean", soft_weight=2.8, hard_weight=0.3)
+
+    def run(dtype, fn):
+        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
+        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]]))
+
+    def theirs(hs, ws, ht, wt, y):
+        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 2.0, "batchmean", 2.8, 0.3)
+
+    with compat.ieee_fp32_matmuls():
+        ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+        same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    assert calls.count("rows_mm") >= 8, calls  # both heads' logits in each of the 4 chunks
+    grouped = rows.grouped_ok(ins["hs"], ins["ws"]) and gemm == "grouped"
+    assert ("grouped_rows_mm" in calls) == grouped, calls
+    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
+        assert_within_torch_error(a, b, c, what=f"{kind} {gemm} {what}")
+    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))

@@ -1048,6 +1048,23 @@ def test_store_never_reads_ignored_rows(gemm, monkeypatch):
     assert launch.store(h, *args, fp32_accumulate=False)[2].isnan().any()
 
 
+@pytest.mark.parametrize("aligned", [True, False])
+def test_rows_mm_reads_a_transposed_b_as_stored(aligned):
+    """rows_mm with b = W.t() of a row-major [N, K] W (a row chunk's logits h·Wᵀ): its TMA path loads
+    W's [BLOCK_N, BLOCK_K] blocks (TRANS_B), the pointer path (rows not 16-byte aligned) W.t()'s
+    strides; the first count rows against torch, the others left as they were."""
+    g = torch.Generator().manual_seed(41)
+    k = 32 if aligned else 27
+    a = torch.randn(40, k, generator=g).to(DEVICE, torch.bfloat16)
+    w = torch.randn(72, k, generator=g).to(DEVICE, torch.bfloat16)
+    out = torch.full((40, 72), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    count = torch.tensor([23], dtype=torch.int32, device=DEVICE)
+    rows.rows_mm(out, a, w.t(), count, bound="m")
+    exact = a[:23].double() @ w.double().t()
+    assert rel_err(out[:23], exact) <= torch.finfo(torch.bfloat16).eps * 2
+    assert torch.equal(out[23:], torch.full_like(out[23:], 7.0))
+
+
 def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
     """The recompute backward moves the rows with an incoming gradient first and its GEMMs stop at
     their count: NaN in the other rows' hidden states (ignored targets, no lse gradient) leaves every

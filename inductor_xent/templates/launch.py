@@ -657,10 +657,9 @@ def store(
         counts = (count - torch.arange(0, n, chunk, device=dev, dtype=torch.int32)).clamp_(0, chunk)
         if need_h:
             grad_h.zero_()  # the ignored rows' gradient; the valid rows are written through `order`
-    # one chunk whose dzᵀ·h may run grouped (rows.grouped_ok): that product is the weight gradient
-    whole_w = (skip and need_w and not fp32_acc and chunk >= n and rows.grouped_ok(hidden, weight)
-               and (weight.is_contiguous() or weight.t().is_contiguous()))
-    if whole_w:
+    # one chunk of compacted rows: its two products are the gradients (rows.row_grads makes grad_weight)
+    whole = skip and chunk >= n and not fp32_acc
+    if whole and need_w:
         grad_w = None
 
     for i, r0 in enumerate(range(0, n, chunk)):
@@ -685,19 +684,15 @@ def store(
             num_warps=dz_cfg.num_warps,
         )
         dz = dz.to(hidden.dtype)
-        if skip:
-            grouped = rows.grouped_ok(dz, weight, h_c)
-            if need_h and grouped:
+        if whole:
+            made = rows.row_grads(dz, weight, h_c, cnt, order, grad_h if need_h else None, need_w, precision)
+            grad_w = made if need_w else grad_w
+        elif skip:
+            if need_h and rows.grouped_ok(dz, weight):
                 rows.grouped_rows_mm(dz, weight, cnt, bound="m", out=grad_h, out_rows=order[sl])
             elif need_h:
                 rows.rows_mm(grad_h, dz, weight, cnt, out_rows=order[sl], bound="m", input_precision=precision)
-            if need_w and grouped and whole_w:
-                # one chunk: the product is the gradient (the buffer was not allocated)
-                grad_w = rows.grouped_rows_mm(dz, h_c, cnt, bound="k", trans_a=True,
-                                              transposed=not weight.is_contiguous())
-            elif need_w:
-                if grad_w is None:
-                    grad_w = _grad_weight_buffer(weight, True)
+            if need_w:
                 rows.rows_mm(acc_w if fp32_acc else grad_w, dz, h_c, cnt, bound="k", trans_a=True, accumulate=i > 0,
                              input_precision=precision)
         else:

@@ -13,7 +13,8 @@ capturable; no recompiles).
     dW    (+)= dz[:count]ᵀ · h[:count]             (BOUND_K: the K loop stops at the count)
 
 with fp32 accumulation, written (or, with ACCUMULATE, added into ``out`` and rounded once) in the
-output's dtype. A is [M, K] row-major, or with TRANS_A stored as [K, M] (dz for dzᵀ); B is [K, N].
+output's dtype. A is [M, K] row-major, or with TRANS_A stored as [K, M] (dz for dzᵀ); B is [K, N],
+or with TRANS_B stored as [N, K] (an lm_head weight for a row chunk's logits, h·Wᵀ).
 Rows of dz in ``[count, roundup(count, BLOCK_K))`` must be zero (the dz kernels write zeros there,
 ``count_ptr`` semantics): the K loop runs whole BLOCK_K steps. Persistent (one program per SM walking
 the output tiles in grouped order); with TMA descriptors the tile loop and the K loop are one
@@ -59,14 +60,16 @@ def rows_mm_kernel(
     # strides (a's as stored: (M, K), or (K, M) with TRANS_A)
     stride_o_m, stride_o_n, stride_a_0, stride_a_1, stride_b_k, stride_b_n,
     # meta-parameters
-    BOUND_M: tl.constexpr, TRANS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_OUT_ROWS: tl.constexpr,
+    BOUND_M: tl.constexpr, TRANS_A: tl.constexpr, TRANS_B: tl.constexpr, ACCUMULATE: tl.constexpr,
+    HAS_OUT_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, DOT_UPCAST: tl.constexpr,
     USE_TMA: tl.constexpr, NUM_PROGRAMS: tl.constexpr, FLATTEN: tl.constexpr,
 ):
     """Output tiles of op(a) @ b for rows (BOUND_M) or a contraction (BOUND_K) bounded by count.
     With USE_TMA a_ptr / b_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] ([BLOCK_K, BLOCK_M] with
-    TRANS_A) and [BLOCK_K, BLOCK_N] blocks."""
+    TRANS_A) and [BLOCK_K, BLOCK_N] ([BLOCK_N, BLOCK_K] with TRANS_B) blocks; without, the strides are
+    those of the [M, K] and [K, N] views, whatever the storage."""
     count = tl.load(count_ptr)
     if BOUND_M:
         m_eff = tl.minimum(count, M)
@@ -90,7 +93,10 @@ def rows_mm_kernel(
                     a = a_ptr.load([k, off_m]).T
                 else:
                     a = a_ptr.load([off_m, k])
-                b = b_ptr.load([k, off_n])
+                if TRANS_B:
+                    b = b_ptr.load([off_n, k]).T
+                else:
+                    b = b_ptr.load([k, off_n])
                 if DOT_UPCAST:
                     a = a.to(tl.float32)
                     b = b.to(tl.float32)
@@ -227,10 +233,33 @@ def grouped_rows_mm(
     return out
 
 
+def row_grads(dz: Tensor, weight: Tensor, hidden: Tensor, count: Tensor, out_rows: Tensor,
+              grad_h: Optional[Tensor], need_w: bool, precision: str = "tf32") -> Optional[Tensor]:
+    """The two backward products of compacted rows held in one ``dz`` (``[rows, V]``, the rows past
+    ``count`` zero up to the next K step): ``grad_h[out_rows[r]] = dz[r]·W`` for ``r < count`` (the
+    other rows of ``grad_h`` left as they were; skipped without ``grad_h``), and, with ``need_w``,
+    the weight gradient ``dz[:count]ᵀ·hidden[:count]`` returned, with a ``W.t()`` weight's strides
+    where it has them: ``torch._grouped_mm`` where ``grouped_ok``, else rows_mm_kernel."""
+    grouped = grouped_ok(dz, weight, hidden)
+    if grad_h is not None and grouped:
+        grouped_rows_mm(dz, weight, count, bound="m", out=grad_h, out_rows=out_rows)
+    elif grad_h is not None:
+        rows_mm(grad_h, dz, weight, count, out_rows=out_rows, bound="m", input_precision=precision)
+    if not need_w:
+        return None
+    transposed = not weight.is_contiguous() and weight.t().is_contiguous()
+    if grouped:
+        return grouped_rows_mm(dz, hidden, count, bound="k", trans_a=True, transposed=transposed)
+    grad_w = torch.empty_like(weight) if weight.is_contiguous() or transposed else torch.empty(
+        weight.shape, dtype=weight.dtype, device=weight.device)
+    rows_mm(grad_w, dz, hidden, count, bound="k", trans_a=True, input_precision=precision)
+    return grad_w
+
+
 def rows_mm(
     out: Tensor,  # (M, N): written, or with accumulate added into
     a: Tensor,  # (M, K), or (K, M) with trans_a
-    b: Tensor,  # (K, N)
+    b: Tensor,  # (K, N): row-major, or the .t() of a row-major (N, K) (then read as stored: TRANS_B)
     count: Tensor,  # (1,) int32: bounds M (bound="m") or K (bound="k")
     *,
     out_rows: Optional[Tensor] = None,  # (M,) int64: row r of the product goes to out[out_rows[r]]
@@ -256,19 +285,22 @@ def rows_mm(
         out.copy_(wide)
         return
     cfg = cfg or mm_config(a.dtype, out.dtype)
-    use_tma = _tma_ok(cfg, a, b)
+    trans_b = b.stride(0) == 1 and b.stride(1) != 1  # b = W.t() of a row-major W
+    use_tma = _tma_ok(cfg, a, b.t() if trans_b else b)
     a_op, b_op = a, b
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         a_op = TensorDescriptor.from_tensor(a, [cfg.block_k, cfg.block_m] if trans_a else [cfg.block_m, cfg.block_k])
-        b_op = TensorDescriptor.from_tensor(b, [cfg.block_k, cfg.block_n])
+        b_op = TensorDescriptor.from_tensor(b.t() if trans_b else b,
+                                            [cfg.block_n, cfg.block_k] if trans_b else [cfg.block_k, cfg.block_n])
     programs = min(_num_sms(out.device), triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n))
     rows_mm_kernel[(programs,)](
         out, a_op, b_op, count, out_rows,
         m, n, k,
         out.stride(0), out.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1),
-        BOUND_M=bound == "m", TRANS_A=trans_a, ACCUMULATE=accumulate, HAS_OUT_ROWS=out_rows is not None,
+        BOUND_M=bound == "m", TRANS_A=trans_a, TRANS_B=trans_b and use_tma, ACCUMULATE=accumulate,
+        HAS_OUT_ROWS=out_rows is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
         INPUT_PRECISION=input_precision, NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(),
         USE_TMA=use_tma, NUM_PROGRAMS=programs, FLATTEN=use_tma if flatten is None else (flatten and use_tma),
