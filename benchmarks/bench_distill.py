@@ -1,7 +1,7 @@
 """Distillation head benchmark: Hinton KD between a student and a teacher lm_head (issue 25).
 
     python benchmarks/bench_distill.py [--shape 8192x4096x8192x128256] [--methods ...] [--out DIR]
-        [--quick] [--rounds N] [--device cuda|cpu]
+        [--quick] [--rounds N] [--device cuda|cpu] [--prompt FRACTION]
 
 The spelling timed (the teacher under ``torch.no_grad()``, T = 2, forward + backward w.r.t. the
 student's hidden states and weight)::
@@ -26,6 +26,15 @@ allocation during one call minus the allocation before it, minus the two gradien
 bf16 inputs, at 1024 rows. Target (issue 25): fwd+bwd ≤ 1.00× torch.compile with ≤ 10 % of its
 extra memory. ``--rounds N``: then the methods' fwd+bwd interleaved over N rounds (the order rotated
 each round), the median of the per-round ratios to torch.compile.
+
+``--prompt F`` (GKD-style on-policy distillation): each sequence of 1024 rows starts with a prompt of
+F·1024 rows whose divergence does not count (target ``-100``, ``shapes.ignore_rows``), the loss the mean
+over the other rows; ours gets the target (``reduction="mean"``) and computes the labelled rows only
+(``distill.skips_rows``); ``ours_dense`` is ours with ``INDUCTOR_XENT_SKIP_IGNORED=0``. The spelling::
+
+    rows = F.kl_div(F.log_softmax(s / T, -1), F.log_softmax(t / T, -1), log_target=True,
+                    reduction="none").sum(-1)
+    loss = (rows * mask).sum() / mask.sum() * T**2
 
 ``--device cpu`` is a dry run on tiny shapes (it checks the harness, not the speed).
 """
@@ -52,19 +61,39 @@ import inductor_xent  # noqa: E402
 from inductor_xent import compat  # noqa: E402
 
 TEMP = 2.0
-METHODS = ("cublas", "compile", "ours", "ours_acc", "ours_recompute", "ours_compiled", "liger", "liger_chunked")
+METHODS = ("cublas", "compile", "ours", "ours_acc", "ours_recompute", "ours_compiled", "liger", "liger_chunked",
+           "ours_dense")
+TARGET = []  # with --prompt: the [N] target whose -100 rows are the prompts' (a method on n rows reads [:n])
 
 
 def spelling(hs, ws, ht, wt):
     s = F.linear(hs, ws)
     with torch.no_grad():
         t = F.linear(ht, wt)
+    if TARGET:
+        rows = F.kl_div(F.log_softmax(s.float() / TEMP, -1), F.log_softmax(t.float() / TEMP, -1), log_target=True,
+                        reduction="none").sum(-1)
+        mask = (TARGET[0][:hs.shape[0]] != -100).float()
+        return (rows * mask).sum() / mask.sum() * TEMP**2
     return F.kl_div(F.log_softmax(s / TEMP, -1), F.softmax(t / TEMP, -1), reduction="batchmean") * TEMP**2
 
 
 def ours(hs, ws, ht, wt):
+    if TARGET:
+        return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), TARGET[0][:hs.shape[0]],
+                                                      temperature=TEMP, reduction="mean") * TEMP**2
     return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), temperature=TEMP,
                                                   reduction="batchmean") * TEMP**2
+
+
+def ours_dense(hs, ws, ht, wt):
+    """ours computing every row (INDUCTOR_XENT_SKIP_IGNORED=0 around the call; the kept path forms the
+    gradients in the forward): the A/B of --prompt."""
+    os.environ["INDUCTOR_XENT_SKIP_IGNORED"] = "0"
+    try:
+        return ours(hs, ws, ht, wt)
+    finally:
+        del os.environ["INDUCTOR_XENT_SKIP_IGNORED"]
 
 
 @contextlib.contextmanager
@@ -191,6 +220,7 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=0, help="then interleave the methods' fwd+bwd over N rounds")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--prompt", type=float, default=None, help="this fraction of each 1024-row sequence ignored")
     args = ap.parse_args(argv)
     device = args.device
     n, ds, dt, v = map(int, (args.shape if device == "cuda" else "96x32x48x1031").split("x"))
@@ -201,9 +231,14 @@ def main(argv=None):
     ht = torch.randn(n, dt, generator=g, device=device).to(dtype)
     wt = (torch.randn(v, dt, generator=g, device=device) / dt**0.5).to(dtype)
     rows = min(n, 1024)
+    TARGET.clear()
+    if args.prompt is not None:
+        from shapes import ignore_rows
+
+        TARGET.append(ignore_rows(torch.randint(0, v, (n,), generator=g, device=device), args.prompt))
     ref = reference(hs, ws, ht, wt, rows)
     fns = {"compile": torch.compile(spelling), "ours": ours, "ours_acc": ours_acc, "ours_recompute": ours_recompute,
-           "ours_compiled": torch.compile(spelling, backend="inductor_xent")}
+           "ours_compiled": torch.compile(spelling, backend="inductor_xent"), "ours_dense": ours_dense}
     results = []
     for name in args.methods.split(","):
         fn = fns.get(name)
@@ -238,7 +273,8 @@ def main(argv=None):
             torch.cuda.empty_cache()
     base = next((r for r in results if r["method"] == "compile" and "ms" in r), None)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    print(f"distill fwd+bwd {n}x{ds} (teacher {dt}) x {v}, {dtype}, T={TEMP}, {gpu}")
+    prompt = "" if args.prompt is None else f", {args.prompt:.0%} of each sequence a prompt (ignored)"
+    print(f"distill fwd+bwd {n}x{ds} (teacher {dt}) x {v}, {dtype}, T={TEMP}, {gpu}{prompt}")
     print("| method | ms | / compile | extra MiB | loss err | dH err | dW err |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
@@ -263,7 +299,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = dict(shape=[n, ds, dt, v], dtype=str(dtype), temperature=TEMP, torch=torch.__version__,
-                    device=torch.cuda.get_device_name() if device == "cuda" else "cpu", date=time.strftime("%F"))
+                    prompt=args.prompt, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                    date=time.strftime("%F"))
         Path(args.out, "bench_distill.json").write_text(json.dumps(dict(meta=meta, results=results, rounds=rounds),
                                                                    indent=1))
 
