@@ -37,18 +37,14 @@ from shapes import DATA, IGNORE_INDEX, IGNORED_LAYOUTS, SHAPES, ignore_rows, mak
 # ours: the functional API with strategy auto; ours_recompute / ours_store: each strategy forced;
 # ours_compiled: the product path, torch.compile(..., backend="inductor_xent") of the eager spelling
 METHODS = ("cublas", "eager", "compile", "compile_chunker", "liger", "liger_cute", "liger_cute_scaled", "quack", "cce",
-           "ours", "ours_recompute", "ours_store", "ours_compiled", "ours_dense", "ours_rows_mm")
+           "ours", "ours_recompute", "ours_store", "ours_compiled", "ours_dense")
 # peers that need the CuTe DSL (nvidia-cutlass-dsl 4.8.1, Hopper only; benchmarks/gpu_run.sh says how its wheels
 # reach the GPU box): Liger-Kernel's SM90 kernels (liger_cute: the gradients in the forward, 6·N·D·V, keeps a
 # chunk of logits; liger_cute_scaled: no logits, the backward recomputes them, 8·N·D·V) and QuACK's chunked
 # linear cross-entropy (its scaled-exp pipeline where eligible: SM90, bf16, V % 128 == 0)
 CUTE_PEERS = ("liger_cute", "liger_cute_scaled", "quack")
-# ours_dense: ours with INDUCTOR_XENT_SKIP_IGNORED=0 (every row computed: the A/B of --ignored);
-# ours_rows_mm: ours with INDUCTOR_XENT_GROUPED_MM=0 (the compacted rows' backward GEMMs in Triton, not
-# torch._grouped_mm: its A/B)
-OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled", "ours_dense", "ours_rows_mm")
-# the methods that are ours with one environment switch, read at call time (config.py)
-SWITCHED = {"ours_dense": ("INDUCTOR_XENT_SKIP_IGNORED", "0"), "ours_rows_mm": ("INDUCTOR_XENT_GROUPED_MM", "0")}
+# ours_dense: ours with INDUCTOR_XENT_SKIP_IGNORED=0 (every row computed: the A/B of --ignored)
+OURS = ("ours", "ours_recompute", "ours_store", "ours_compiled", "ours_dense")
 MiB = 2**20
 # --scan: time and memory against V (N, D fixed at llama3-8b's) and against N (D, V fixed); gauss data
 SCAN_V = (32000, 50257, 128256, 256000)
@@ -143,17 +139,15 @@ def _build(name):
 
         if name == "ours_compiled":
             return torch.compile(_eager_ours, backend="inductor_xent", dynamic=False)
-        if name in SWITCHED:
-            var, value = SWITCHED[name]
-
-            def switched(h, w, t):  # the store op computes its gradients in this call
-                os.environ[var] = value
+        if name == "ours_dense":
+            def dense(h, w, t):
+                os.environ["INDUCTOR_XENT_SKIP_IGNORED"] = "0"  # read at call time (config.skip_ignored_rows)
                 try:
                     return linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX)
                 finally:
-                    del os.environ[var]
+                    del os.environ["INDUCTOR_XENT_SKIP_IGNORED"]
 
-            return switched
+            return dense
         which = {"ours": None, "ours_recompute": "recompute", "ours_store": "store"}[name]
         return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=IGNORE_INDEX, strategy=which)
     raise ValueError(f"unknown method {name!r}; choose from {METHODS}")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional
 
 IMPLS = ("auto", "triton", "chunked")
 _IMPL_ALIASES = {"reference": "chunked"}  # the old name, kept with a deprecation warning
@@ -156,14 +155,3 @@ def skip_ignored_rows() -> bool:
     the device and every GEMM stops at their count (templates/rows.py); ``0`` computes every row
     (the A/B switch of ``bench kernels --ignored``)."""
     return _switch("INDUCTOR_XENT_SKIP_IGNORED", True)
-
-
-def grouped_mm() -> Optional[bool]:
-    """``INDUCTOR_XENT_GROUPED_MM``: whether the store backward's two count-bounded GEMMs run as
-    ``torch._grouped_mm`` (CUTLASS's grouped GEMM, which reads the count on the device) instead of
-    templates/rows.py's Triton GEMM. Unset (``None``, default): where it runs CUTLASS's kernel (CUDA
-    sm_90, bf16: ``rows.grouped_ok``); ``0``: never; ``1``: wherever ``torch._grouped_mm`` accepts the
-    operands, its CPU loop included (the interpreter tests run the path that way)."""
-    if not os.environ.get("INDUCTOR_XENT_GROUPED_MM", "").strip():
-        return None
-    return _switch("INDUCTOR_XENT_GROUPED_MM", False)

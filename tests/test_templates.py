@@ -992,47 +992,30 @@ def _ignore(t, pattern):
     return t
 
 
-# the store backward's count-bounded GEMMs: templates/rows.py's Triton kernel, or torch._grouped_mm
-# (on CPU its loop of mms: the launcher's masking, scatter and layouts; on sm_90 CUTLASS's kernel)
-GEMMS = {"triton": "0", "grouped": "1"}
-
-
-@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("pattern, chunk", SKIP_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_store_skips_ignored_rows(pattern, chunk, dtype, gemm, monkeypatch):
+def test_store_skips_ignored_rows(pattern, chunk, dtype, monkeypatch):
     """The store against the oracle, with a bias and a [D, V] weight passed transposed (rows_mm's
     pointer path, a transposed grad_weight), and the ignored rows' grad_hidden exactly 0: compacted in
-    bf16, dense in fp32 (rows.compacts); either GEMM of the compacted rows."""
-    if dtype == torch.float32 and gemm == "grouped":
-        pytest.skip("fp32 rows are not compacted: no count-bounded GEMM")
-    monkeypatch.setenv("INDUCTOR_XENT_GROUPED_MM", GEMMS[gemm])
-    calls, grouped = [], rows.grouped_rows_mm
-    monkeypatch.setattr(rows, "grouped_rows_mm", lambda *a, **k: calls.append(k["bound"]) or grouped(*a, **k))
-    # torch._grouped_mm wants 16-byte aligned rows (grouped_ok: else rows_mm)
-    h, w, b, t = make_inputs(n=48, v=136 if gemm == "grouped" else 131, dtype=dtype, bias=True, seed=21,
-                             transposed_weight=pattern == "prefix")
+    bf16, dense in fp32 (rows.compacts); one chunk's two products make the gradients (rows.row_grads)."""
+    calls, row_grads = [], rows.row_grads
+    monkeypatch.setattr(rows, "row_grads", lambda *a, **k: calls.append(1) or row_grads(*a, **k))
+    h, w, b, t = make_inputs(n=48, dtype=dtype, bias=True, seed=21, transposed_weight=pattern == "prefix")
     t = _ignore(t, pattern)
     _, (gh, gw, _) = check_store(h, w, b, t, LossOptions(z_loss=1e-3), reduction="mean", chunk_rows=chunk)
     assert torch.equal(gh[t == -100], torch.zeros_like(gh[t == -100]))
     assert gw.stride() == w.stride()  # a [D, V] weight's gradient is the .t() of a contiguous one too
-    # grouped: dH in every chunk, dW as one product where one chunk holds every row
-    assert calls == ([] if gemm == "triton" or dtype == torch.float32 else
-                     ["m", "k"] if chunk == 0 else ["m"] * -(-48 // chunk)), calls
+    assert len(calls) == (chunk == 0 and dtype == torch.bfloat16), calls
 
 
-@pytest.mark.parametrize("gemm", GEMMS)
-def test_store_never_reads_ignored_rows(gemm, monkeypatch):
+def test_store_never_reads_ignored_rows(monkeypatch):
     """With the valid count a multiple of the row block, nothing reads an ignored row: NaN there
     leaves the loss and every gradient finite and equal to those of the valid rows alone. Computing
     every row (INDUCTOR_XENT_SKIP_IGNORED=0) spreads the NaN into grad_weight: this test fails if
     the rows are not skipped."""
-    monkeypatch.setenv("INDUCTOR_XENT_GROUPED_MM", GEMMS[gemm])
-    calls, grouped = [], rows.grouped_rows_mm
-    monkeypatch.setattr(rows, "grouped_rows_mm", lambda *a, **k: calls.append(k["bound"]) or grouped(*a, **k))
     block = 128 if CUDA else 16  # rows_mm's and the store forward's row block
     n = 3 * block
-    h, w, b, t = make_inputs(n=n, v=136, bias=True, seed=22, dtype=torch.bfloat16)  # 16-bit: rows.compacts
+    h, w, b, t = make_inputs(n=n, bias=True, seed=22, dtype=torch.bfloat16)  # 16-bit: rows.compacts
     t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(23)).to(t.device)
     t[torch.arange(n, device=t.device) % 3 == 0] = -100  # two blocks of valid rows
     h = h.clone()
@@ -1043,7 +1026,6 @@ def test_store_never_reads_ignored_rows(gemm, monkeypatch):
     loss_v, gh_v, gw_v, gb_v = launch.store(h[keep], w, b, t[keep], *args[3:], fp32_accumulate=False)
     assert torch.equal(loss, loss_v) and torch.equal(gw, gw_v) and torch.equal(gb, gb_v)
     assert torch.equal(gh[keep], gh_v) and torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
-    assert bool(calls) == (gemm == "grouped"), calls
     monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
     assert launch.store(h, *args, fp32_accumulate=False)[2].isnan().any()
 

@@ -688,9 +688,7 @@ def store(
             made = rows.row_grads(dz, weight, h_c, cnt, order, grad_h if need_h else None, need_w, precision)
             grad_w = made if need_w else grad_w
         elif skip:
-            if need_h and rows.grouped_ok(dz, weight):
-                rows.grouped_rows_mm(dz, weight, cnt, bound="m", out=grad_h, out_rows=order[sl])
-            elif need_h:
+            if need_h:
                 rows.rows_mm(grad_h, dz, weight, cnt, out_rows=order[sl], bound="m", input_precision=precision)
             if need_w:
                 rows.rows_mm(acc_w if fp32_acc else grad_w, dz, h_c, cnt, bound="k", trans_a=True, accumulate=i > 0,

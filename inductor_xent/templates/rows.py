@@ -183,75 +183,19 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def grouped_ok(*tensors: Tensor) -> bool:
-    """Whether ``grouped_rows_mm`` (``torch._grouped_mm``) runs the count-bounded products of these
-    operands: CUTLASS's grouped GEMM reads a group's extent from the device, so the rows past the
-    count cost nothing, as in rows_mm_kernel, at cuBLAS's pace. CUDA sm_90 and bf16 operands with
-    16-byte aligned strides (its kernel's), unless ``config.grouped_mm`` says otherwise."""
-    forced = config.grouped_mm()
-    if forced is False or not hasattr(torch, "_grouped_mm"):
-        return False
-    dev = tensors[0].device
-    if forced is None and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9):
-        return False
-    return all(t.dtype == torch.bfloat16 and t.data_ptr() % 16 == 0
-               and all(s == 1 or (s * t.element_size()) % 16 == 0 for s in t.stride()) for t in tensors)
-
-
-def grouped_rows_mm(
-    a: Tensor,  # (M, K), or (K, M) with trans_a
-    b: Tensor,  # (K, N)
-    count: Tensor,  # (1,) int32: bounds M (bound="m") or K (bound="k")
-    *,
-    bound: str,
-    trans_a: bool = False,
-    out: Optional[Tensor] = None,  # bound "m": the product's first count rows are written into it
-    out_rows: Optional[Tensor] = None,  # (M,) int64: ... at out[out_rows[r]]
-    out_dtype: Optional[torch.dtype] = None,
-    transposed: bool = False,  # bound "k": return the product as the .t() of a contiguous (N, M)
-) -> Tensor:
-    """rows_mm's products through ``torch._grouped_mm`` with one group whose extent is ``count``
-    (``grouped_ok``): fp32 accumulation, one rounding. Bound "m" writes the first ``count`` rows
-    (the others of ``out`` are left as they were) and returns ``out``; bound "k" returns a new
-    ``(M, N)`` tensor (with ``transposed``, the ``.t()`` of a contiguous ``(N, M)``, computed as
-    ``(bᵀ·op(a)ᵀ)``: a gradient with a ``W.t()`` weight's strides). Rows of a (trans_a: of the
-    stored a) past the count are not read but the kernel's K tiles round up, as rows_mm's, so
-    rows in ``[count, roundup(count, k_step))`` must be zero there too."""
-    a_op = a.t() if trans_a else a
-    if bound == "k":
-        if transposed:
-            return torch._grouped_mm(b.t(), a_op.t(), offs=count, out_dtype=out_dtype)[0].t()
-        return torch._grouped_mm(a_op, b, offs=count, out_dtype=out_dtype)[0]
-    assert out is not None and not trans_a, "bound 'm' writes into out"
-    m = a.shape[0]
-    prod = torch._grouped_mm(a, b.unsqueeze(0), offs=count, out_dtype=out.dtype)  # rows past count: undefined
-    keep = (torch.arange(m, device=a.device, dtype=torch.int32) < count)[:, None]
-    if out_rows is None:
-        torch.where(keep, prod, out[:m], out=out[:m])
-    else:
-        out.index_copy_(0, out_rows, torch.where(keep, prod, out.index_select(0, out_rows)))
-    return out
-
-
 def row_grads(dz: Tensor, weight: Tensor, hidden: Tensor, count: Tensor, out_rows: Tensor,
               grad_h: Optional[Tensor], need_w: bool, precision: str = "tf32") -> Optional[Tensor]:
     """The two backward products of compacted rows held in one ``dz`` (``[rows, V]``, the rows past
     ``count`` zero up to the next K step): ``grad_h[out_rows[r]] = dz[r]·W`` for ``r < count`` (the
     other rows of ``grad_h`` left as they were; skipped without ``grad_h``), and, with ``need_w``,
-    the weight gradient ``dz[:count]ᵀ·hidden[:count]`` returned, with a ``W.t()`` weight's strides
-    where it has them: ``torch._grouped_mm`` where ``grouped_ok``, else rows_mm_kernel."""
-    grouped = grouped_ok(dz, weight, hidden)
-    if grad_h is not None and grouped:
-        grouped_rows_mm(dz, weight, count, bound="m", out=grad_h, out_rows=out_rows)
-    elif grad_h is not None:
+    the weight gradient ``dz[:count]ᵀ·hidden[:count]``, returned with the weight's strides where
+    they are dense (a ``W.t()`` weight's gradient is the ``.t()`` of a contiguous one)."""
+    if grad_h is not None:
         rows_mm(grad_h, dz, weight, count, out_rows=out_rows, bound="m", input_precision=precision)
     if not need_w:
         return None
-    transposed = not weight.is_contiguous() and weight.t().is_contiguous()
-    if grouped:
-        return grouped_rows_mm(dz, hidden, count, bound="k", trans_a=True, transposed=transposed)
-    grad_w = torch.empty_like(weight) if weight.is_contiguous() or transposed else torch.empty(
-        weight.shape, dtype=weight.dtype, device=weight.device)
+    dense = weight.is_contiguous() or weight.t().is_contiguous()
+    grad_w = torch.empty_like(weight) if dense else torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
     rows_mm(grad_w, dz, hidden, count, bound="k", trans_a=True, input_precision=precision)
     return grad_w
 
