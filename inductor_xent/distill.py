@@ -32,6 +32,11 @@ weight gradients are one GEMM each over all rows at the end (as
 torch.compile's, rounded once), with only the teacher's logits of one chunk (as large as the weight
 gradient, within 128 and 512 MiB) besides.
 
+With a target whose ignored rows carry nothing (a masked divergence) and biasless 16-bit heads on
+CUDA (``skips_rows``), the kept path computes the labelled rows only: they are moved first on the
+device and every GEMM, both heads' logits per chunk and the two gradients, stops at their count
+(templates/rows.py; no host sync).
+
 A store budget of 0 (``recomputes``: ``store_budget=0``, ``strategy="recompute"``) keeps neither:
 the forward runs over row chunks and keeps per row only the two log-sum-exps and what the
 divergence's gradient needs of the whole row (``STATS``); the backward runs over column chunks of
