@@ -35,7 +35,7 @@ gradient, within 128 and 512 MiB) besides.
 With a target whose ignored rows carry nothing (a masked divergence) and biasless 16-bit heads on
 CUDA (``skips_rows``), the kept path computes the labelled rows only: they are moved first on the
 device and every GEMM, both heads' logits per chunk and the two gradients, stops at their count
-(templates/rows.py; no host sync).
+(templates/rows.py; no host sync). So does the recompute below, in both passes, for a frozen teacher.
 
 A store budget of 0 (``recomputes``: ``store_budget=0``, ``strategy="recompute"``) keeps neither:
 the forward runs over row chunks and keeps per row only the two log-sum-exps and what the
@@ -333,8 +333,9 @@ LOGITS_CONFIG = KernelConfig(128, 256, 64, 8, 8, 3, tma=True)
 
 def skips_rows(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
                target: Optional[Tensor], mask_divergence: bool) -> bool:
-    """Whether ``_kept_dz_chunks`` computes the labelled rows only (templates/rows.py, ``compaction``: moved first on
-    the device, every GEMM stopping at their count, no host sync): a target whose ignored rows carry
+    """Whether the kept path and the recompute (its backward for a frozen teacher) compute the labelled
+    rows only (templates/rows.py, ``compaction``: moved first on the device, every GEMM stopping at
+    their count, no host sync): a target whose ignored rows carry
     no divergence (``mask_divergence``) and no cross-entropy, biasless 16-bit heads
     (``rows.compacts``), on CUDA (or in Triton's interpreter)."""
     if target is None or not mask_divergence or bs is not None or bt is not None:
@@ -342,6 +343,24 @@ def skips_rows(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Ten
     if hs.device.type != "cuda" and not config.triton_interpret():
         return False
     return hs.dtype == ht.dtype and compaction.compacts(hs.dtype)
+
+
+def _compact(live: Tensor, step: int, *tensors):
+    """The ``live`` rows first (``compaction.compact``: a stable sort on the device, no host sync):
+    (order, their count, each ``step``-row chunk's count of them, the tensors' rows in that order;
+    None stays None)."""
+    order, count = compaction.compact(live)
+    starts = torch.arange(0, live.shape[0], max(step, 1), device=live.device, dtype=torch.int32)
+    counts = (count - starts).clamp_(0, max(step, 1))
+    return order, count, counts, [None if t is None else t.index_select(0, order) for t in tensors]
+
+
+def _bounded_logits(zs: Tensor, zt: Tensor, hs: Tensor, ws: Tensor, ht: Tensor, wt: Tensor, count: Tensor) -> None:
+    """Both heads' logits of the first ``count`` rows into ``zs`` and ``zt`` (the other rows left as
+    they were), each weight read as stored (rows_mm's TRANS_B)."""
+    cfg = None if config.triton_interpret() else LOGITS_CONFIG
+    compaction.rows_mm(zs, hs, ws.t(), count, bound="m", cfg=cfg)
+    compaction.rows_mm(zt, ht, wt.t(), count, bound="m", cfg=cfg)
 
 
 def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
@@ -358,21 +377,17 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
     math_fn = _math_for(hs.device, _chunk_math_into)
     skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)
     if skip:
-        order, count = compaction.compact(target != ignore_index)
-        hs, ht, target, row_grad = (t.index_select(0, order) for t in (hs, ht, target, row_grad))
-        ce_grad = None if ce_grad is None else ce_grad.index_select(0, order)
-        counts = (count - torch.arange(0, n, step, device=hs.device, dtype=torch.int32)).clamp_(0, step)
+        order, count, counts, (hs, ht, target, row_grad, ce_grad) = _compact(
+            target != ignore_index, step, hs, ht, target, row_grad, ce_grad)
         zt_buf = torch.empty(min(n, step), v, dtype=ht.dtype, device=ht.device)
-        logits_cfg = None if config.triton_interpret() else LOGITS_CONFIG
         rows_all, ce_all = rows_out, ce_out  # written through `order` at the end
         rows_out, ce_out = torch.empty_like(rows_all), None if ce_all is None else torch.empty_like(ce_all)
     for i, start in enumerate(range(0, n, step)):
         sl = slice(start, min(n, start + step))
         part = dz[sl]
         if skip:  # rows past the chunk's count stay as they were: the math zeroes their gradient
-            compaction.rows_mm(part, hs[sl], ws.t(), counts[i:i + 1], bound="m", cfg=logits_cfg)
             zt = zt_buf[:part.shape[0]]
-            compaction.rows_mm(zt, ht[sl], wt.t(), counts[i:i + 1], bound="m", cfg=logits_cfg)
+            _bounded_logits(part, zt, hs[sl], ws, ht[sl], wt, counts[i:i + 1])
         else:
             if bs is None:
                 torch.mm(hs[sl], ws.t(), out=part)
@@ -463,12 +478,14 @@ def _stats_math(zs: Tensor, zt: Tensor, valid: Optional[Tensor], kind: str, beta
 
 
 def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Optional[Tensor], col: Optional[Tensor],
-                    kind: str, beta: float, scale_s: float, scale_t: float, grad_s: bool, grad_t: bool):
+                    kind: str, beta: float, scale_s: float, scale_t: float, grad_s: bool, grad_t: bool,
+                    live: Optional[Tensor] = None):
     """The recompute backward on a chunk of columns of every row: the gradients with respect to both
     heads' logits of those columns (in their dtype; None where not asked) from the forward's
     statistics. ``g``: each divergence row's incoming gradient (0 where not counted); ``g_ce``: each
     cross-entropy row's (0 where unlabelled) or None; ``col``: each row's target column within the
-    chunk (the one-hot's; none outside ``[0, columns)``)."""
+    chunk (the one-hot's; none outside ``[0, columns)``); ``live``: the rows whose gradients are
+    computed (the others exactly 0, whatever their logits: a count-bounded GEMM did not write them)."""
     work = compute_dtype(zs.dtype)
     zw = zs.to(work)
     ls, lt = zw * scale_s - stats[:, 0:1], zt.to(work) * scale_t - stats[:, 1:2]
@@ -482,23 +499,36 @@ def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Opti
             1, torch.where(inside, col, 0)[:, None], torch.where(inside, -g_ce, 0.0)[:, None])
         dz_s = du_ce if dz_s is None else dz_s + du_ce
     dz_t = None if du_t is None else du_t * (g * scale_t)[:, None]
+    if live is not None:
+        dz_s = None if dz_s is None else torch.where(live[:, None], dz_s, 0.0)
+        dz_t = None if dz_t is None else torch.where(live[:, None], dz_t, 0.0)
     return None if dz_s is None else dz_s.to(zs.dtype), None if dz_t is None else dz_t.to(zt.dtype)
 
 
 def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
                        scale_t: float, ce: bool, mask_divergence: bool):
     """The divergence rows, the cross-entropy rows (with ``ce``, else None) and the statistics, over
-    row chunks of both heads' logits."""
+    row chunks of both heads' logits; where ``skips_rows``, of the labelled rows only (the others'
+    rows and statistics 0)."""
     n, v = hs.shape[0], ws.shape[0]
     work = compute_dtype(hs.dtype)
-    rows_out = torch.empty(n, device=hs.device, dtype=work)
-    ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
-    stats = torch.empty(n, STATS, device=hs.device, dtype=work)
+    out = [torch.empty(n, device=hs.device, dtype=work), torch.empty(n, device=hs.device, dtype=work) if ce else None,
+           torch.empty(n, STATS, device=hs.device, dtype=work)]  # the rows, the cross-entropy rows, the statistics
     math_fn = _math_for(hs.device, _stats_math)
     step = recompute_slice(n, v, hs.device, hs.element_size(), 2)  # both heads' logits
-    for start in range(0, n, step):
+    skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)
+    rows_out, ce_out, stats = out
+    if skip:  # the labelled rows first; the chunks write these, scattered back at the end
+        order, _, counts, (hs, ht, target) = _compact(target != ignore_index, step, hs, ht, target)
+        rows_out, ce_out, stats = (None if t is None else torch.empty_like(t) for t in out)
+        bufs = [torch.empty(min(n, step), v, dtype=t.dtype, device=t.device) for t in (hs, ht)]
+    for i, start in enumerate(range(0, n, step)):
         sl = slice(start, min(n, start + step))
-        zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
+        if skip:
+            zs, zt = (b[:sl.stop - sl.start] for b in bufs)
+            _bounded_logits(zs, zt, hs[sl], ws, ht[sl], wt, counts[i:i + 1])
+        else:
+            zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
         labelled = None if target is None else (target[sl] != ignore_index)
         rows_out[sl], ce_rows, stats[sl] = math_fn(zs, zt, labelled if mask_divergence else None, kind, beta,
                                                    scale_s, scale_t, target[sl] if ce else None,
@@ -506,7 +536,14 @@ def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: 
         del zs, zt
         if ce:
             ce_out[sl] = ce_rows
-    return rows_out, ce_out, stats
+    if not skip:
+        return rows_out, ce_out, stats
+    del bufs
+    stats.masked_fill_((target == ignore_index)[:, None], 0.0)  # their logits were never computed
+    for whole, part in zip(out, (rows_out, ce_out, stats)):
+        if whole is not None:
+            whole.index_copy_(0, order, part)
+    return tuple(out)
 
 
 def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor, hs, ws, bs, ht, wt, bt,
@@ -528,15 +565,35 @@ def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor,
     grad_s, grad_t = any(needs[:3]), any(needs[3:])
     math_fn = _math_for(hs.device, _recompute_math)
     step = recompute_slice(v, n, hs.device, hs.element_size(), 3) if n else v  # both heads' logits and dz
+    # the rows with an incoming gradient first, every GEMM stopping at their count: a frozen teacher's
+    # backward under skips_rows (the forward's condition, the mask read from the gradients)
+    skip = n > 0 and not grad_t and skips_rows(hs, ws, bs, ht, wt, bt, target, True)
+    live = None
+    if skip:
+        has_grad = grad_div != 0 if grad_ce is None else (grad_div != 0) | (grad_ce != 0)
+        order, count, _, (hs, ht, stats, grad_div, grad_ce, target) = _compact(
+            has_grad, n, hs, ht, stats, grad_div, grad_ce, target)
+        live = torch.arange(n, device=hs.device) < count
+        bufs = [torch.empty(n, min(v, step), dtype=t.dtype, device=t.device) for t in (hs, ht)]
     for start in range(0, v if n else 0, step):
         cols = slice(start, min(v, start + step))
-        zs = F.linear(hs, ws[cols], None if bs is None else bs[cols])
-        zt = F.linear(ht, wt[cols], None if bt is None else bt[cols])
+        if skip:
+            zs, zt = (b[:, :cols.stop - cols.start] for b in bufs)
+            _bounded_logits(zs, zt, hs, ws[cols], ht, wt[cols], count)
+        else:
+            zs = F.linear(hs, ws[cols], None if bs is None else bs[cols])
+            zt = F.linear(ht, wt[cols], None if bt is None else bt[cols])
         col = None if grad_ce is None else target - start
-        dzs = math_fn(zs, zt, stats, grad_div, grad_ce, col, kind, beta, scale_s, scale_t, grad_s, grad_t)
+        dzs = math_fn(zs, zt, stats, grad_div, grad_ce, col, kind, beta, scale_s, scale_t, grad_s, grad_t, live)
         del zs, zt
         for dz, (h, w, _), first in zip(dzs, heads, (0, 3)):
             if dz is None:
+                continue
+            if skip:  # the student's only (a frozen teacher); rows past the count are 0 in dz
+                if grads[0] is not None:
+                    compaction.rows_mm(grads[0], dz, ws[cols], count, out_rows=order, bound="m", accumulate=True)
+                if grads[1] is not None:
+                    compaction.rows_mm(grads[1][cols], dz, hs, count, bound="k", trans_a=True)
                 continue
             if grads[first] is not None:
                 _acc_mm(grads[first], dz, w[cols])

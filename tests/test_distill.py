@@ -1018,3 +1018,105 @@ def test_cuda_kept_dz_skips_ignored_rows(kind, monkeypatch):
     for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
         assert_within_torch_error(a, b, c, what=f"{kind} {what}")
     assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
+
+
+@interpreter_only
+@pytest.mark.parametrize("kind, reduction, hard", [("forward_kl", "batchmean", 0.0), ("jsd", "mean", 0.4),
+                                                   ("reverse_kl", "none", 0.4)])
+def test_recompute_skips_ignored_rows(kind, reduction, hard, monkeypatch):
+    """A store budget of 0 with a target: the forward's row chunks and the backward's column chunks
+    compute the labelled rows only (every GEMM count-bounded: both heads' logits, dH through the row
+    order into its fp32 sum, dW), values and student gradients within torch's error of float64, the
+    ignored rows' hidden gradient exactly 0; 10 row chunks of 5 and 11 column chunks of 6."""
+    from inductor_xent import config
+
+    monkeypatch.setattr(config, "fallback_chunk_bytes", 5 * 64 * 4 * 8)
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted()
+    kw = dict(kind=kind, beta=0.3, temperature=1.5, reduction=reduction, soft_weight=1.2, hard_weight=hard,
+              store_budget=0)
+
+    def run(dtype, fn):
+        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
+        gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]], gout))
+
+    def theirs(hs, ws, ht, wt, y):
+        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 1.5, reduction, 1.2, hard)
+
+    ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+    # 16-bit outputs counted: both heads' logits of 10 row chunks, then of 11 column chunks and their dW
+    # (dH adds into an fp32 sum)
+    assert calls.count("m") == 2 * 10 + 2 * 11 and calls.count("k") == 11, calls
+    same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
+        assert_within_torch_error(a, b, c, what=f"{kind} {reduction} {what}")
+    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
+
+
+@interpreter_only
+def test_recompute_never_reads_ignored_rows(monkeypatch):
+    """A store budget of 0, 16 labelled rows (a whole K step): NaN in the ignored rows' hidden states
+    leaves the loss and the student's gradients finite and equal to the labelled rows' alone (the weight
+    gradient's bits; the hidden one's fp32 sum runs over other column chunks there). With
+    INDUCTOR_XENT_SKIP_IGNORED=0 the NaN reaches the weight gradient."""
+    ins, y = _prompted(seed=34, prompt=16, pad=0)
+    keep = y != -100
+    for k in ("hs", "ht"):
+        ins[k][~keep] = float("nan")
+
+    def run(sel):
+        hs, ws = ins["hs"][sel].clone().requires_grad_(), ins["ws"].clone().requires_grad_()
+        loss = linear_distillation_loss(hs, ws, ins["ht"][sel], ins["wt"], y[sel], kind="forward_kl",
+                                        reduction="mean", hard_weight=0.5, store_budget=0)
+        loss.backward()
+        return loss.detach(), hs.grad, ws.grad
+
+    everything = torch.ones_like(keep)
+    loss, gh, gw = run(everything)
+    loss_v, gh_v, gw_v = run(keep)
+    assert torch.allclose(loss, loss_v, rtol=1e-6, atol=0) and torch.equal(gw, gw_v)
+    assert torch.allclose(gh[keep].float(), gh_v.float(), rtol=1e-2, atol=1e-6)
+    assert torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
+    from inductor_xent.distill import linear_distill_recompute_fwd
+
+    _, stats = linear_distill_recompute_fwd(ins["hs"], ins["ws"], None, ins["ht"], ins["wt"], None, y, -100,
+                                            "forward_kl", 0.5, 1.0, 1.0, "mean", [True, True] + [False] * 4)
+    assert stats[keep].isfinite().all() and torch.equal(stats[~keep], torch.zeros_like(stats[~keep]))
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert run(everything)[2].isnan().any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
+    """On the GPU in bf16 at a store budget of 0 with half of each sequence a prompt: the labelled
+    rows only in both passes (4 row chunks forward, 7 column chunks backward), values and student
+    gradients within torch's error of float64, the ignored rows' hidden gradient 0."""
+    from inductor_xent import distill
+
+    monkeypatch.setattr(distill, "RECOMPUTE_CHUNK_BYTES", 256 * 4096 * 2 * 2)
+    assert distill.recompute_slice(1024, 4096, torch.device("cuda"), 2, 2) == 256
+    assert distill.recompute_slice(4096, 1024, torch.device("cuda"), 2, 3) == 640
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted(n=1024, ds=256, dt=384, v=4096, seed=35, device="cuda", prompt=256, pad=37)
+    kw = dict(kind=kind, beta=0.3, temperature=2.0, reduction="batchmean", soft_weight=2.8, hard_weight=0.3,
+              store_budget=0)
+
+    def run(dtype, fn):
+        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
+        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]]))
+
+    def theirs(hs, ws, ht, wt, y):
+        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 2.0, "batchmean", 2.8, 0.3)
+
+    with compat.ieee_fp32_matmuls():
+        ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+        same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    assert calls.count("m") == 2 * 4 + 2 * 7 and calls.count("k") == 7, calls  # dH's fp32 sums not counted
+    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
+        assert_within_torch_error(a, b, c, what=f"{kind} {what}")
+    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
