@@ -903,6 +903,30 @@ def _skip_calls(monkeypatch):
     return calls
 
 
+def _check_skipping(ins: dict, y, kw: dict, what: str) -> None:
+    """``linear_distillation_loss(**kw)`` on ``_prompted``'s bf16 heads against the same spelling in
+    bf16 and float64 (``_mixed_reference``): values and the student's gradients (for a random upstream
+    gradient) within torch's error, and the ignored rows' hidden gradient exactly 0."""
+    seed = torch.Generator().manual_seed(2)
+
+    def run(dtype, fn):
+        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
+        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
+        gout = torch.randn(out.shape, generator=seed.manual_seed(2), dtype=torch.float64).to(out.device, out.dtype)
+        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]], gout))
+
+    def theirs(hs, ws, ht, wt, y):
+        return _mixed_reference(hs, ws, None, ht, wt, y, kw["kind"], kw["beta"], kw["temperature"], kw["reduction"],
+                                kw["soft_weight"], kw["hard_weight"])
+
+    with compat.ieee_fp32_matmuls():
+        ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+        same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    for name, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
+        assert_within_torch_error(a, b, c, what=f"{what} {name}")
+    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
+
+
 # the count-bounded GEMMs run on CPU tensors only in Triton's interpreter (the CPU suite's); the GPU box
 # runs test_cuda_kept_dz_skips_ignored_rows instead
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
@@ -923,23 +947,9 @@ def test_kept_dz_skips_ignored_rows(kind, reduction, hard, keep_dz_on_cpu, monke
     calls = _skip_calls(monkeypatch)
     ins, y = _prompted()
     kw = dict(kind=kind, beta=0.3, temperature=1.5, reduction=reduction, soft_weight=1.2, hard_weight=hard)
-
-    def run(dtype, fn):
-        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
-        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
-        gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
-        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]], gout))
-
-    def theirs(hs, ws, ht, wt, y):
-        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 1.5, reduction, 1.2, hard)
-
-    ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+    _check_skipping(ins, y, kw, f"{kind} {reduction}")
     assert "op" in keep_dz_on_cpu, "the kept path did not run"
     assert calls == ["m"] * (2 * 16) + ["m", "k"], calls  # both heads' logits in 16 chunks, then dH and dW
-    same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
-    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
-        assert_within_torch_error(a, b, c, what=f"{kind} {reduction} {what}")
-    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
 
 
 @interpreter_only
@@ -1002,22 +1012,8 @@ def test_cuda_kept_dz_skips_ignored_rows(kind, monkeypatch):
     calls = _skip_calls(monkeypatch)
     ins, y = _prompted(n=1024, ds=256, dt=384, v=4096, seed=33, device="cuda", prompt=256, pad=37)
     kw = dict(kind=kind, beta=0.3, temperature=2.0, reduction="batchmean", soft_weight=2.8, hard_weight=0.3)
-
-    def run(dtype, fn):
-        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
-        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
-        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]]))
-
-    def theirs(hs, ws, ht, wt, y):
-        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 2.0, "batchmean", 2.8, 0.3)
-
-    with compat.ieee_fp32_matmuls():
-        ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
-        same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    _check_skipping(ins, y, kw, kind)
     assert calls == ["m"] * 8 + ["m", "k"], calls  # both heads' logits in each of the 4 chunks, dH, dW
-    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
-        assert_within_torch_error(a, b, c, what=f"{kind} {what}")
-    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
 
 
 @interpreter_only
@@ -1035,24 +1031,10 @@ def test_recompute_skips_ignored_rows(kind, reduction, hard, monkeypatch):
     ins, y = _prompted()
     kw = dict(kind=kind, beta=0.3, temperature=1.5, reduction=reduction, soft_weight=1.2, hard_weight=hard,
               store_budget=0)
-
-    def run(dtype, fn):
-        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
-        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
-        gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
-        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]], gout))
-
-    def theirs(hs, ws, ht, wt, y):
-        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 1.5, reduction, 1.2, hard)
-
-    ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+    _check_skipping(ins, y, kw, f"{kind} {reduction}")
     # 16-bit outputs counted: both heads' logits of 10 row chunks, then of 11 column chunks and their dW
     # (dH adds into an fp32 sum)
     assert calls.count("m") == 2 * 10 + 2 * 11 and calls.count("k") == 11, calls
-    same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
-    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
-        assert_within_torch_error(a, b, c, what=f"{kind} {reduction} {what}")
-    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
 
 
 @interpreter_only
@@ -1104,19 +1086,5 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
     ins, y = _prompted(n=1024, ds=256, dt=384, v=4096, seed=35, device="cuda", prompt=256, pad=37)
     kw = dict(kind=kind, beta=0.3, temperature=2.0, reduction="batchmean", soft_weight=2.8, hard_weight=0.3,
               store_budget=0)
-
-    def run(dtype, fn):
-        leaves = {k: x.detach().to(dtype).requires_grad_(k in ("hs", "ws")) for k, x in ins.items()}
-        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
-        return (out.detach(), *torch.autograd.grad(out, [leaves["hs"], leaves["ws"]]))
-
-    def theirs(hs, ws, ht, wt, y):
-        return _mixed_reference(hs, ws, None, ht, wt, y, kind, 0.3, 2.0, "batchmean", 2.8, 0.3)
-
-    with compat.ieee_fp32_matmuls():
-        ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
-        same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    _check_skipping(ins, y, kw, kind)
     assert calls.count("m") == 2 * 4 + 2 * 7 and calls.count("k") == 7, calls  # dH's fp32 sums not counted
-    for what, a, b, c in zip(("loss", "hs", "ws"), ours, same, exact):
-        assert_within_torch_error(a, b, c, what=f"{kind} {what}")
-    assert torch.equal(ours[1][y == -100], torch.zeros_like(ours[1][y == -100]))
