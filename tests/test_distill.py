@@ -1088,3 +1088,21 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
               store_budget=0)
     _check_skipping(ins, y, kw, kind)
     assert calls.count("m") == 2 * 4 + 2 * 7 and calls.count("k") == 7, calls  # dH's fp32 sums not counted
+
+
+@interpreter_only
+@pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows"])
+def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeypatch):
+    """``(rows * mask).sum() / mask.sum()`` with a boolean mask (cast or not): the pass makes the masked
+    sum the site (reduction ``sum``, the mask the op's target), so the kept path computes the masked
+    rows only (their GEMMs count-bounded); eager's values and student gradients, bf16 biasless heads."""
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted()
+    fn = functools.partial(FUSED[name], bs=None) if name == "log_target_masked" else FUSED[name]
+    args = dict(hs=ins["hs"], ws=ins["ws"], ht=ins["ht"], wt=ins["wt"], y=y)
+    site = inductor_xent.explain(fn, **args).sites[0]
+    assert site.fused and "row mask" in site.reason, site.reason
+    rec = Recorder()
+    assert_parity(fn, args, rec, what=name)
+    assert ops.DISTILL_FORWARD in rec.after[0] and "op" in keep_dz_on_cpu
+    assert "k" in calls, "the masked rows were computed"

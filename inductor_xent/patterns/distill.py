@@ -11,6 +11,9 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
   row, the user's masking and reduction kept);
 * ``(p * (log_p - log_q)).sum(-1)`` with ``p`` the softmax (or ``exp``) of ``log_p``: KL(p ‖ q) per
   row, the reverse KL of TRL's and verl's RL code when the student is ``p``;
+* either per-row form summed under a boolean row mask (cast or not), ``(rows * mask).sum()`` (the
+  numerator of a masked mean, as GKD masks the prompt): one site with reduction ``sum`` whose target
+  marks the mask's False rows ignored, so the op need not compute them (``_masked_sum``);
 * ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
   ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows);
 * TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
@@ -133,10 +136,11 @@ def _match(node: Node) -> Union[dict, Decline, None]:
         return None
     if is_call(src, KL_DIV) and arg(src, 3, "reduction", "mean") == "none":
         inner = _match_kl_none(src)
-        return None if inner is None else dict(inner, reduce="none", out=node, nodes=(node, *inner["nodes"]))
+        return None if inner is None else _masked_sum(dict(inner, reduce="none", out=node,
+                                                           nodes=(node, *inner["nodes"])))
     if is_call(src, ADD):
         jsd = _match_mixture_jsd(src)
-        return None if jsd is None else dict(jsd, reduce="none", out=node, nodes=(node, *jsd["nodes"]))
+        return None if jsd is None else _masked_sum(dict(jsd, reduce="none", out=node, nodes=(node, *jsd["nodes"])))
     if is_call(src, MUL) and len(src.args) == 2 and not src.kwargs:
         for prob, diff in (src.args, reversed(src.args)):
             if not (is_call(diff, SUB) and len(diff.args) == 2 and not diff.kwargs):
@@ -148,8 +152,39 @@ def _match(node: Node) -> Union[dict, Decline, None]:
             q, p = _head(lq), _head(lp)
             if q is None or p is None:
                 return None
-            return dict(q=q, p=p, reduce="none", out=node, nodes=(node, src, diff, *lq.nodes, *lp.nodes, *pr.nodes))
+            return _masked_sum(dict(q=q, p=p, reduce="none", out=node,
+                                    nodes=(node, src, diff, *lq.nodes, *lp.nodes, *pr.nodes)))
     return None
+
+
+# a boolean tensor as a 0/1 number: x.float(), x.to(dtype), x.type_as(y), ...
+CASTS = ("float", "half", "bfloat16", "double", "to", "type_as", "type")
+
+
+def _bool_source(node) -> Optional[Node]:
+    """The boolean tensor that ``node`` is, or casts to a number, else None."""
+    while isinstance(node, Node) and tval(node) is not None and tval(node).dtype != torch.bool:
+        if node.op != "call_method" or node.target not in CASTS or not node.args:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, Node) and tval(node) is not None else None
+
+
+def _masked_sum(f: dict) -> dict:
+    """A per-row site whose rows are only summed under a row mask, ``(rows * mask).sum()`` (the GKD
+    spelling's numerator; ``mask`` boolean or cast from one, the rows' shape): the site becomes that
+    sum (reduction ``sum``, ``mask`` the rows that count, so the op can skip the others); else ``f``."""
+    rows = f["out"]
+    mul = next(iter(rows.users)) if len(rows.users) == 1 else None
+    if mul is None or not is_call(mul, MUL) or len(mul.args) != 2 or mul.kwargs:
+        return f
+    other = mul.args[1] if mul.args[0] is rows else mul.args[0]
+    mask = _bool_source(other)
+    total = next(iter(mul.users)) if len(mul.users) == 1 else None
+    if mask is None or tval(mask).shape != tval(rows).shape or total is None or not (
+            is_call(total, ("sum",)) or is_call(total, (torch.sum,))) or len(total.args) != 1 or total.kwargs:
+        return f
+    return dict(f, reduce="sum", out=total, inp=mul, mask=mask, nodes=(total, mul, *f["nodes"]))
 
 
 def _match_kl_none(kl: Node) -> Optional[dict]:
@@ -369,7 +404,7 @@ def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
 
 
 def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
-    q, p, graph = f["q"], f["p"], gm.graph
+    q, p, graph, node = f["q"], f["p"], gm.graph, f["out"]
     # at the loss (or at the sum with the cross-entropy): both heads' inputs and the targets exist there
     e = Emitter(graph, f["mix"]["add"] if "mix" in f else node, node)
     hs, ws, bs = _operands(e, q)
@@ -385,8 +420,10 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
         out = e.call(op, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
                      float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False, *tail)
         node = mix["add"]
-    else:
-        out = e.call(op, hs, ws, bs, ht, wt, bt, None, -100,
+    else:  # a row mask (_masked_sum) as the target: its False rows ignored, so the op can skip them
+        mask = f.get("mask")
+        target = None if mask is None else e.call(torch.where, e.method("reshape", mask, -1), 0, -100)
+        out = e.call(op, hs, ws, bs, ht, wt, bt, target, -100,
                      kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs, 1.0, 0.0, True,
                      *tail)
     value = e.getitem(out, 0)
@@ -431,7 +468,9 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                               f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
                               + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
                                  f"{mix['soft']:g} · Σ KL)" if mix else "")
-                              + (", the target head without gradient" if not any(needs[3:]) else ""),
+                              + (", the target head without gradient" if not any(needs[3:]) else "")
+                              + (", summed under a row mask (the rows it drops not computed)" if f.get("mask")
+                                 is not None else ""),
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
                               strategy="store" if reduce != "none" and not recompute else "recompute",
                               strategy_reason=how, extra_bytes=kept or None)
