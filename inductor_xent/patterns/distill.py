@@ -469,11 +469,15 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                               + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
                                  f"{mix['soft']:g} · Σ KL)" if mix else "")
                               + (", the target head without gradient" if not any(needs[3:]) else "")
-                              + (", summed under a row mask (the rows it drops not computed)" if f.get("mask")
-                                 is not None else ""),
+                              + (MASKED if f.get("mask") is not None else ""),
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
                               strategy="store" if reduce != "none" and not recompute else "recompute",
                               strategy_reason=how, extra_bytes=kept or None)
+
+
+# explain's note on a _masked_sum site
+MASKED = (", summed under a row mask (its dropped rows the op's ignored ones: not computed for biasless 16-bit "
+          "heads on CUDA)")
 
 
 def _static(sizes) -> bool:
