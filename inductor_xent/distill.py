@@ -217,7 +217,6 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     return rows, dz_s, ce, dz_t
 
 
-
 def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor], kind: str, beta: float,
                      scale_s: float, scale_t: float, target: Optional[Tensor] = None, g_ce: Optional[Tensor] = None,
                      ce_valid: Optional[Tensor] = None):
