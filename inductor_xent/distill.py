@@ -35,7 +35,9 @@ gradient, within 128 and 512 MiB) besides.
 With a target whose ignored rows carry nothing (a masked divergence) and biasless 16-bit heads on
 CUDA (``skips_rows``), the kept path computes the labelled rows only: they are moved first on the
 device and every GEMM, both heads' logits per chunk and the two gradients, stops at their count
-(templates/rows.py; no host sync). So does the recompute below, in both passes, for a frozen teacher.
+(templates/rows.py; no host sync). So do the accumulating chunks (their hidden states' gradients
+written through the row order, the weights' added up) and the recompute below, in both passes (its
+backward for a frozen teacher).
 
 A store budget of 0 (``recomputes``: ``store_budget=0``, ``strategy="recompute"``) keeps neither:
 the forward runs over row chunks and keeps per row only the two log-sum-exps and what the
@@ -202,7 +204,7 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     if valid is not None:
         rows = torch.where(valid, rows, 0.0)
         g = None if g is None else torch.where(valid, g, 0.0)
-    ce = None
+    ce = du_ce = None
     if target is not None:
         ls1 = torch.log_softmax(zs.to(work), -1)
         t = torch.where(ce_valid, target, 0)[:, None]
@@ -210,23 +212,25 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
         if g_ce is not None and grad_s:
             g_ce = torch.where(ce_valid, g_ce, 0.0)[:, None]
             du_ce = (ls1.exp() * g_ce).scatter_add_(1, t, -g_ce)
-            du_s = du_ce if du_s is None else du_s * (g * scale_s)[:, None] + du_ce
-            return rows, du_s.to(zs.dtype), ce, None if du_t is None else (du_t * (g * scale_t)[:, None]).to(zt.dtype)
-    dz_s = None if du_s is None else (du_s * (g * scale_s)[:, None]).to(zs.dtype)  # d/dz = d/du * scale
-    dz_t = None if du_t is None else (du_t * (g * scale_t)[:, None]).to(zt.dtype)
-    return rows, dz_s, ce, dz_t
+    dz_s = None if du_s is None else du_s * (g * scale_s)[:, None]  # d/dz = d/du * scale
+    if du_ce is not None:
+        dz_s = du_ce if dz_s is None else dz_s + du_ce
+    dz_t = None if du_t is None else du_t * (g * scale_t)[:, None]
+    if valid is not None:  # exactly 0, whatever the logits (a count-bounded GEMM did not write them)
+        dz_s = None if dz_s is None else torch.where(valid[:, None], dz_s, 0.0)
+        dz_t = None if dz_t is None else torch.where(valid[:, None], dz_t, 0.0)
+    return rows, None if dz_s is None else dz_s.to(zs.dtype), ce, None if dz_t is None else dz_t.to(zt.dtype)
 
 
 def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor], kind: str, beta: float,
                      scale_s: float, scale_t: float, target: Optional[Tensor] = None, g_ce: Optional[Tensor] = None,
                      ce_valid: Optional[Tensor] = None):
     """``_chunk_math`` for ``keeps_dz``: ``dz`` holds the chunk's student logits and gets their
-    gradient in place, exactly 0 on the rows not ``valid`` (whose logits a count-bounded GEMM may not
-    have written: a product with 0 would keep a NaN there); returns the rows (and the cross-entropy
-    rows or None)."""
+    gradient in place (0 on the rows not ``valid``); returns the rows (and the cross-entropy rows or
+    None)."""
     rows, dz_s, ce, _ = _chunk_math(dz, zt, g, valid, kind, beta, scale_s, scale_t, True, False, target, g_ce,
                                     ce_valid)
-    dz.copy_(dz_s if valid is None else torch.where(valid[:, None], dz_s, 0.0))
+    dz.copy_(dz_s)
     return rows, ce
 
 
@@ -296,9 +300,21 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
                 grads[i] = torch.zeros(t.shape, device=t.device, dtype=work if wide else t.dtype)
     grad_s, grad_t = row_grad is not None and any(needs[:3]), row_grad is not None and any(needs[3:])
     math_fn = _math_for(hs.device)
-    for start in range(0, n, step):
+    dtypes = [None if t is None else t.dtype for t in (hs, ws, bs, ht, wt, bt)]
+    skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)  # (a frozen head: LoRA; a trained teacher)
+    if skip:  # the labelled rows first: the chunks write these, the hidden states' gradients through `order`
+        order, _, counts, (hs, ht, target, row_grad, ce_grad) = _compact(
+            target != ignore_index, step, hs, ht, target, row_grad, ce_grad)
+        rows_all, ce_all = rows_out, ce_out
+        rows_out, ce_out = torch.empty_like(rows_all), None if ce_all is None else torch.empty_like(ce_all)
+        bufs = [torch.empty(min(n, step), v, dtype=t.dtype, device=t.device) for t in (hs, ht)]
+    for i, start in enumerate(range(0, n, step)):
         sl = slice(start, min(n, start + step))
-        zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
+        if skip:  # rows past the chunk's count: logits not written, gradients 0 (the math's `valid`)
+            zs, zt = (b[:sl.stop - sl.start] for b in bufs)
+            _bounded_logits(zs, zt, hs[sl], ws, ht[sl], wt, counts[i:i + 1])
+        else:
+            zs, zt = F.linear(hs[sl], ws, bs), F.linear(ht[sl], wt, bt)
         labelled = None if target is None else (target[sl] != ignore_index)
         valid = labelled if mask_divergence else None
         g = None if row_grad is None else row_grad[sl]
@@ -312,15 +328,27 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
         for dz, (h, w, b), first in ((dz_s, (hs, ws, bs), 0), (dz_t, (ht, wt, bt), 3)):
             if dz is None:
                 continue
+            if skip:  # biasless heads
+                cnt = counts[i:i + 1]
+                if needs[first]:
+                    compaction.rows_mm(grads[first], dz, w, cnt, out_rows=order[sl], bound="m")
+                if needs[first + 1]:
+                    compaction.rows_mm(grads[first + 1], dz, h[sl], cnt, bound="k", trans_a=True, accumulate=True)
+                continue
             if needs[first]:
                 grads[first][sl] = dz @ w
             if needs[first + 1]:
                 _acc_mm(grads[first + 1], dz.t(), h[sl])
             if needs[first + 2] and b is not None:
                 grads[first + 2] += dz.sum(0, dtype=grads[first + 2].dtype)
-    for i, t in enumerate((hs, ws, bs, ht, wt, bt)):
+    if skip:
+        rows_all.index_copy_(0, order, rows_out)
+        if ce:
+            ce_all.index_copy_(0, order, ce_out)
+        rows_out, ce_out = rows_all, ce_all
+    for i, dtype in enumerate(dtypes):
         if grads[i] is not None:
-            grads[i] = grads[i].to(t.dtype)
+            grads[i] = grads[i].to(dtype)
     return rows_out, ce_out, grads
 
 
@@ -332,8 +360,8 @@ LOGITS_CONFIG = KernelConfig(128, 256, 64, 8, 8, 3, tma=True)
 
 def skips_rows(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
                target: Optional[Tensor], mask_divergence: bool) -> bool:
-    """Whether the kept path and the recompute (its backward for a frozen teacher) compute the labelled
-    rows only (templates/rows.py, ``compaction``: moved first on the device, every GEMM stopping at
+    """Whether the chunks (kept, accumulating, and the recompute's, its backward for a frozen teacher)
+    compute the labelled rows only (templates/rows.py, ``compaction``: moved first on the device, every GEMM stopping at
     their count, no host sync): a target whose ignored rows carry
     no divergence (``mask_divergence``) and no cross-entropy, biasless 16-bit heads
     (``rows.compacts``), on CUDA (or in Triton's interpreter)."""

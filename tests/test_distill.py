@@ -889,16 +889,20 @@ def _prompted(n=48, ds=16, dt=24, v=64, seed=31, device="cpu", prompt=14, pad=3)
 
 def _skip_calls(monkeypatch):
     """Counts the count-bounded GEMMs that run (templates/rows.py's, for the chunks and the gradients;
-    each into a 16-bit output: the interpreter's rows_mm runs again into an fp32 copy, not counted)."""
+    the interpreter's rows_mm calls itself again into an fp32 copy of a 16-bit output: not counted)."""
     from inductor_xent.templates import rows
 
-    calls = []
+    calls, depth = [], [0]
     real = rows.rows_mm
 
-    def counted(out, *a, **k):
-        if out.dtype != torch.float32:
+    def counted(*a, **k):
+        if not depth[0]:
             calls.append(k["bound"])
-        return real(out, *a, **k)
+        depth[0] += 1
+        try:
+            return real(*a, **k)
+        finally:
+            depth[0] -= 1
     monkeypatch.setattr(rows, "rows_mm", counted)
     return calls
 
@@ -949,7 +953,9 @@ def test_kept_dz_skips_ignored_rows(kind, reduction, hard, keep_dz_on_cpu, monke
     kw = dict(kind=kind, beta=0.3, temperature=1.5, reduction=reduction, soft_weight=1.2, hard_weight=hard)
     _check_skipping(ins, y, kw, f"{kind} {reduction}")
     assert "op" in keep_dz_on_cpu, "the kept path did not run"
-    assert calls == ["m"] * (2 * 16) + ["m", "k"], calls  # both heads' logits in 16 chunks, then dH and dW
+    # a per-row loss's forward (its rows only, one chunk of both heads' logits), then both heads' logits
+    # in 16 chunks of 3 rows, then dH and dW
+    assert calls == ["m", "m"] * (reduction == "none") + ["m"] * (2 * 16) + ["m", "k"], calls
 
 
 @interpreter_only
@@ -1001,19 +1007,24 @@ def test_kept_dz_skips_only_where_it_may(keep_dz_on_cpu, monkeypatch):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("budget", ["1x", "1"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cuda_kept_dz_skips_ignored_rows(kind, monkeypatch):
+def test_cuda_kept_dz_skips_ignored_rows(kind, budget, monkeypatch):
     """On the GPU in bf16 with half of each sequence a prompt and some padding: the labelled
     rows only (every GEMM count-bounded), values and student gradients within torch's error of
-    float64 over several chunks, the ignored rows' hidden gradient 0."""
+    float64 over several chunks, the ignored rows' hidden gradient 0; the kept gradient logits (1x)
+    and the accumulating chunks (a 1-byte budget)."""
     from inductor_xent import distill
 
-    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 256 * 4096 * 2)  # chunks of 256 rows
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", budget)
+    monkeypatch.setattr(distill, "TEACHER_CHUNK_BYTES", 256 * 4096 * 2)  # kept: chunks of 256 rows
+    monkeypatch.setattr(distill, "CUDA_CHUNK_BYTES", 256 * 4096 * 4 * distill.CHUNK_TENSORS)  # accumulating: too
     calls = _skip_calls(monkeypatch)
     ins, y = _prompted(n=1024, ds=256, dt=384, v=4096, seed=33, device="cuda", prompt=256, pad=37)
     kw = dict(kind=kind, beta=0.3, temperature=2.0, reduction="batchmean", soft_weight=2.8, hard_weight=0.3)
     _check_skipping(ins, y, kw, kind)
-    assert calls == ["m"] * 8 + ["m", "k"], calls  # both heads' logits in each of the 4 chunks, dH, dW
+    # both heads' logits in each of the 4 chunks, then dH and dW (kept), or dH and dW in each chunk
+    assert calls == (["m"] * 8 + ["m", "k"] if budget == "1x" else ["m", "m", "m", "k"] * 4), calls
 
 
 @interpreter_only
@@ -1032,9 +1043,8 @@ def test_recompute_skips_ignored_rows(kind, reduction, hard, monkeypatch):
     kw = dict(kind=kind, beta=0.3, temperature=1.5, reduction=reduction, soft_weight=1.2, hard_weight=hard,
               store_budget=0)
     _check_skipping(ins, y, kw, f"{kind} {reduction}")
-    # 16-bit outputs counted: both heads' logits of 10 row chunks, then of 11 column chunks and their dW
-    # (dH adds into an fp32 sum)
-    assert calls.count("m") == 2 * 10 + 2 * 11 and calls.count("k") == 11, calls
+    # both heads' logits of 10 row chunks, then of 11 column chunks, their dH (into an fp32 sum) and dW
+    assert calls.count("m") == 2 * 10 + 3 * 11 and calls.count("k") == 11, calls
 
 
 @interpreter_only
@@ -1087,7 +1097,7 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
     kw = dict(kind=kind, beta=0.3, temperature=2.0, reduction="batchmean", soft_weight=2.8, hard_weight=0.3,
               store_budget=0)
     _check_skipping(ins, y, kw, kind)
-    assert calls.count("m") == 2 * 4 + 2 * 7 and calls.count("k") == 7, calls  # dH's fp32 sums not counted
+    assert calls.count("m") == 2 * 4 + 3 * 7 and calls.count("k") == 7, calls  # 4 row chunks, 7 column chunks
 
 
 @interpreter_only
@@ -1106,3 +1116,38 @@ def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeyp
     assert_parity(fn, args, rec, what=name)
     assert ops.DISTILL_FORWARD in rec.after[0] and "op" in keep_dz_on_cpu
     assert "k" in calls, "the masked rows were computed"
+
+
+@interpreter_only
+@pytest.mark.parametrize("trained", ["hidden_only", "both_heads"])
+def test_accumulating_chunks_skip_ignored_rows(trained, monkeypatch):
+    """The accumulating chunks (a frozen student head, as LoRA trains; a trained teacher): with a target
+    the labelled rows only, every GEMM count-bounded (the hidden states' gradients through the row
+    order, the weights' added up over 4 chunks); values and every asked gradient within torch's error
+    of float64, the ignored rows' hidden gradients exactly 0."""
+    from inductor_xent import config
+
+    monkeypatch.setattr(config, "fallback_chunk_bytes", 12 * 64 * 4 * 8)  # chunks of 12 rows
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted(seed=36)
+    grad_of = ("hs",) if trained == "hidden_only" else ("hs", "ws", "ht", "wt")
+    kw = dict(kind="jsd", beta=0.4, temperature=1.3, reduction="mean", hard_weight=0.2)
+
+    def run(dtype, fn):
+        leaves = {k: x.detach().to(dtype).requires_grad_(k in grad_of) for k, x in ins.items()}
+        out = fn(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y)
+        return (out.detach(), *torch.autograd.grad(out, [leaves[k] for k in grad_of]))
+
+    def theirs(hs, ws, ht, wt, y):
+        return _mixed_reference(hs, ws, None, ht, wt, y, "jsd", 0.4, 1.3, "mean", 1.0, 0.2)
+
+    ours = run(torch.bfloat16, lambda *a: linear_distillation_loss(*a, **kw))
+    heads = len(grad_of) // 2 if trained == "both_heads" else 0  # the heads whose weights train
+    # per chunk of 12 rows: both heads' logits, each trained hidden state's dH and weight's dW
+    assert calls == (["m", "m"] + ["m", "k"] * heads if heads else ["m"] * 3) * 4, calls
+    same, exact = run(torch.bfloat16, theirs), run(torch.float64, theirs)
+    for name, a, b, c in zip(("loss", *grad_of), ours, same, exact):
+        assert_within_torch_error(a, b, c, what=f"{trained} {name}")
+    for k, g in zip(grad_of, ours[1:]):
+        if k in ("hs", "ht"):
+            assert torch.equal(g[y == -100], torch.zeros_like(g[y == -100])), k
