@@ -37,7 +37,8 @@ CUDA (``skips_rows``), the kept path computes the labelled rows only: they are m
 device and every GEMM, both heads' logits per chunk and the two gradients, stops at their count
 (templates/rows.py; no host sync). So do the accumulating chunks (their hidden states' gradients
 written through the row order, the weights' added up) and the recompute below, in both passes (its
-backward for a frozen teacher).
+backward for a frozen teacher). On CPU every path runs on the labelled rows alone (``_host_rows``:
+``nonzero`` waits for no device there), whatever the heads' dtype and biases.
 
 A store budget of 0 (``recomputes``: ``store_budget=0``, ``strategy="recompute"``) keeps neither:
 the forward runs over row chunks and keeps per row only the two log-sum-exps and what the
@@ -285,6 +286,15 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
     ce_out = torch.empty(n, device=hs.device, dtype=work) if ce else None
+    skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)  # (a frozen head: LoRA; a trained teacher)
+    idx = None if skip or target is None else _host_rows(target != ignore_index, mask_divergence)
+    if idx is not None:  # on CPU: the labelled rows alone, the others' rows and hidden gradients 0
+        sub = [None if t is None else t.index_select(0, idx) for t in (hs, ht, target, row_grad, ce_grad)]
+        rows, ce_rows, grads = _chunks(sub[0], ws, bs, sub[1], wt, bt, sub[2], ignore_index, kind, beta, scale_s,
+                                       scale_t, sub[3], needs, ce, sub[4], mask_divergence, store_budget)
+        for i in (0, 3):
+            grads[i] = _scattered(grads[i], idx, n)
+        return _scattered(rows, idx, n), _scattered(ce_rows, idx, n), grads
     keep = keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs, store_budget)
     if keep:
         return _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad,
@@ -301,7 +311,6 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     grad_s, grad_t = row_grad is not None and any(needs[:3]), row_grad is not None and any(needs[3:])
     math_fn = _math_for(hs.device)
     dtypes = [None if t is None else t.dtype for t in (hs, ws, bs, ht, wt, bt)]
-    skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)  # (a frozen head: LoRA; a trained teacher)
     if skip:  # the labelled rows first: the chunks write these, the hidden states' gradients through `order`
         order, _, counts, (hs, ht, target, row_grad, ce_grad) = _compact(
             target != ignore_index, step, hs, ht, target, row_grad, ce_grad)
@@ -388,6 +397,22 @@ def _bounded_logits(zs: Tensor, zt: Tensor, hs: Tensor, ws: Tensor, ht: Tensor, 
     cfg = None if config.triton_interpret() else LOGITS_CONFIG
     compaction.rows_mm(zs, hs, ws.t(), count, bound="m", cfg=cfg)
     compaction.rows_mm(zt, ht, wt.t(), count, bound="m", cfg=cfg)
+
+
+def _host_rows(live: Tensor, enabled: bool = True) -> Optional[Tensor]:
+    """Where no graph-safe compaction is needed (CPU tensors: ``nonzero`` waits for no device) and
+    some rows are not ``live``: the live rows' indices, for a call on those rows alone; else None.
+    ``INDUCTOR_XENT_SKIP_IGNORED=0`` turns it off with the GPU paths' skipping."""
+    if not enabled or live.device.type != "cpu" or not config.skip_ignored_rows() or bool(live.all()):
+        return None
+    return live.nonzero().squeeze(1)
+
+
+def _scattered(part: Optional[Tensor], idx: Tensor, n: int) -> Optional[Tensor]:
+    """``part``'s rows at ``idx`` of ``n`` rows, zeros elsewhere."""
+    if part is None:
+        return None
+    return part.new_zeros((n, *part.shape[1:])).index_copy_(0, idx, part)
 
 
 def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
@@ -544,6 +569,12 @@ def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: 
     math_fn = _math_for(hs.device, _stats_math)
     step = recompute_slice(n, v, hs.device, hs.element_size(), 2)  # both heads' logits
     skip = skips_rows(hs, ws, bs, ht, wt, bt, target, mask_divergence)
+    idx = None if skip or target is None else _host_rows(target != ignore_index, mask_divergence)
+    if idx is not None:  # on CPU: the labelled rows alone, the others' rows and statistics 0
+        sub = [t.index_select(0, idx) for t in (hs, ht, target)]
+        parts = _recompute_forward(sub[0], ws, bs, sub[1], wt, bt, sub[2], ignore_index, kind, beta, scale_s, scale_t,
+                                   ce, mask_divergence)
+        return tuple(_scattered(t, idx, n) for t in parts)
     rows_out, ce_out, stats = out
     if skip:  # the labelled rows first; the chunks write these, scattered back at the end
         order, _, counts, (hs, ht, target) = _compact(target != ignore_index, step, hs, ht, target)
@@ -595,9 +626,17 @@ def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor,
     # the rows with an incoming gradient first, every GEMM stopping at their count: a frozen teacher's
     # backward under skips_rows (the forward's condition, the mask read from the gradients)
     skip = n > 0 and not grad_t and skips_rows(hs, ws, bs, ht, wt, bt, target, True)
+    has_grad = grad_div != 0 if grad_ce is None else (grad_div != 0) | (grad_ce != 0)
+    idx = None if skip else _host_rows(has_grad)
+    if idx is not None:  # on CPU: the rows with an incoming gradient alone, the others' hidden gradients 0
+        sub = [None if t is None else t.index_select(0, idx) for t in (grad_div, grad_ce, stats, hs, ht, target)]
+        grads = _recompute_grads(sub[0], sub[1], sub[2], sub[3], ws, bs, sub[4], wt, bt, sub[5], kind, beta, scale_s,
+                                 scale_t, needs)
+        for i in (0, 3):
+            grads[i] = _scattered(grads[i], idx, n)
+        return grads
     live = None
     if skip:
-        has_grad = grad_div != 0 if grad_ce is None else (grad_div != 0) | (grad_ce != 0)
         order, count, _, (hs, ht, stats, grad_div, grad_ce, target) = _compact(
             has_grad, n, hs, ht, stats, grad_div, grad_ce, target)
         live = torch.arange(n, device=hs.device) < count

@@ -186,7 +186,8 @@ def test_kept_dz_matches_float64(kind, reduction, hard, keep_dz_on_cpu):
     _check_student(ours, theirs, ins, f"{kind} {reduction}")
     assert keep_dz_on_cpu, "the kept-dz path did not run"
     ops, chunks = keep_dz_on_cpu.count("op"), keep_dz_on_cpu.count("chunk")
-    assert chunks == ops * -(-B * T // 3), "not the 3-row chunks (chunk_rows's teacher item size and bytes)"
+    rows = int((ins["y"] != -100).sum())  # on CPU the chunks run on the labelled rows alone
+    assert chunks == ops * -(-rows // 3), "not the 3-row chunks (chunk_rows's teacher item size and bytes)"
 
 
 def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
@@ -208,10 +209,11 @@ def test_kept_dz_only_where_it_applies(keep_dz_on_cpu, monkeypatch):
     linear_distillation_loss(*args).backward()
     assert not keep_dz_on_cpu
     args[1].requires_grad_()
-    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4 - 1}")
+    rows = int((leaves["y"] != -100).sum())  # on CPU the chunks run on the labelled rows alone
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{rows * V * 4 - 1}")
     linear_distillation_loss(*args).backward()
     assert not keep_dz_on_cpu
-    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{B * T * V * 4}")
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", f"{rows * V * 4}")
     linear_distillation_loss(*args).backward()
     assert keep_dz_on_cpu
 
@@ -717,6 +719,14 @@ def recompute_chunks(monkeypatch):
     return calls
 
 
+def _labelled_chunks(y) -> tuple[int, int]:
+    """The recompute's row chunks and column chunks on CPU, which runs on the labelled rows alone."""
+    from inductor_xent import distill
+
+    rows, cpu = int((y != -100).sum()), torch.device("cpu")
+    return -(-rows // distill.recompute_slice(rows, V, cpu)), -(-V // distill.recompute_slice(V, rows, cpu))
+
+
 @pytest.mark.parametrize("hard", [0.0, 0.3])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("kind", KINDS)
@@ -741,7 +751,10 @@ def test_recompute_matches_float64(kind, reduction, hard, recompute_chunks):
     assert set(grads) == set(same_g) == {"hs", "ws", "bs", "ht", "wt"}
     for k in grads:
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{what} grad {k}")
-    assert recompute_chunks.count("stats") == 4 and recompute_chunks.count("cols") == 4, recompute_chunks
+    row_chunks, col_chunks = _labelled_chunks(ins["y"])  # several of each (3 and 3)
+    assert min(row_chunks, col_chunks) > 1
+    assert recompute_chunks.count("stats") == row_chunks and recompute_chunks.count("cols") == col_chunks, \
+        recompute_chunks
 
 
 def test_recompute_in_bfloat16_within_torch_error(recompute_chunks):
@@ -762,7 +775,7 @@ def test_recompute_in_bfloat16_within_torch_error(recompute_chunks):
     same, same_g = _run(theirs, bf16, teacher_grad=False)
     exact, exact_g = _run(theirs, bf16, torch.float64, teacher_grad=False)
     assert_within_torch_error(out, same, exact, what="bf16 loss")
-    assert recompute_chunks.count("cols") == 4
+    assert recompute_chunks.count("cols") == _labelled_chunks(ins["y"])[1] > 1
     for k in grads:
         assert grads[k].dtype == torch.bfloat16
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"bf16 grad {k}")
@@ -780,7 +793,7 @@ def test_recompute_keeps_no_logits_sized_tensor(recompute_chunks):
         loss = linear_distillation_loss(hs, ws, ins["ht"], ins["wt"], ins["y"].reshape(-1), store_budget=0)
     loss.backward()
     assert (B * T, distill.STATS) in saved and (B * T, V) not in saved, saved
-    assert recompute_chunks.count("cols") == 4
+    assert recompute_chunks.count("cols") == _labelled_chunks(ins["y"])[1] > 1
 
 
 def test_recompute_follows_the_budget_and_the_strategy(recompute_chunks, monkeypatch):
@@ -1151,3 +1164,35 @@ def test_accumulating_chunks_skip_ignored_rows(trained, monkeypatch):
     for k, g in zip(grad_of, ours[1:]):
         if k in ("hs", "ht"):
             assert torch.equal(g[y == -100], torch.zeros_like(g[y == -100])), k
+
+
+@pytest.mark.parametrize("budget", [None, 0])
+def test_cpu_chunks_never_read_ignored_rows(budget, monkeypatch):
+    """On CPU (fp32, biased heads: no Triton) the chunks run on the labelled rows alone: NaN in the
+    ignored rows' hidden states leaves the loss and every gradient (both heads trained) finite, equal
+    to those of the labelled rows alone, the ignored rows' hidden gradients 0; the default chunks and a
+    store budget of 0. With INDUCTOR_XENT_SKIP_IGNORED=0 the NaN reaches the weight gradient."""
+    ins = {k: v.reshape(-1, v.shape[-1]) if v.dim() == 3 else v for k, v in _inputs(seed=37).items()}
+    y = ins.pop("y").reshape(-1)
+    keep = y != -100
+    for k in ("hs", "ht"):
+        ins[k][~keep] = float("nan")
+
+    def run(sel):
+        leaves = {k: (v[sel] if k in ("hs", "ht") else v).clone().requires_grad_() for k, v in ins.items()}
+        loss = linear_distillation_loss(leaves["hs"], leaves["ws"], leaves["ht"], leaves["wt"], y[sel],
+                                        student_bias=leaves["bs"], kind="reverse_kl", reduction="sum",
+                                        hard_weight=0.3, store_budget=budget)
+        loss.backward()
+        return loss.detach(), {k: v.grad for k, v in leaves.items()}
+
+    everything = torch.ones_like(keep)
+    (loss, grads), (loss_v, grads_v) = run(everything), run(keep)
+    assert torch.allclose(loss, loss_v, rtol=1e-6, atol=0)
+    for k in ("ws", "bs", "wt"):
+        assert torch.equal(grads[k], grads_v[k]), k
+    for k in ("hs", "ht"):
+        assert torch.equal(grads[k][keep], grads_v[k]), k
+        assert torch.equal(grads[k][~keep], torch.zeros_like(grads[k][~keep])), k
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert run(everything)[1]["ws"].isnan().any()
