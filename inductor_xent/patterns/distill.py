@@ -476,8 +476,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
 
 
 # explain's note on a _masked_sum site
-MASKED = (", summed under a row mask (its dropped rows the op's ignored ones: not computed for biasless 16-bit "
-          "heads on CUDA)")
+MASKED = (", summed under a row mask (its dropped rows the op's ignored ones: not computed, on CUDA for biasless "
+          "16-bit heads)")
 
 
 def _static(sizes) -> bool:
