@@ -550,11 +550,20 @@ def _trl_gjsd_masked_rows(hs, ws, ht, wt, y, **_):
     return (rows * mask).sum() / mask.sum()
 
 
+def _verl_masked_mean(hs, ws, ht, wt, y, **_):
+    """verl's ``masked_mean`` of a per-row KL over each sequence, then over the batch (the mask a cast
+    boolean)."""
+    rows = F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.log_softmax(F.linear(ht, wt).detach(), -1),
+                    log_target=True, reduction="none").sum(-1)
+    mask = (y != -100).to(rows.dtype)
+    return ((rows * mask).sum(-1) / mask.sum(-1)).mean()
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
          "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
          "labels_first_sum": _labels_first_sum, "trl_gjsd": _trl_gjsd,
          "trl_gjsd_beta0": functools.partial(_trl_gjsd, beta=0.0), "trl_gjsd_beta1": functools.partial(_trl_gjsd, beta=1.0),
-         "trl_gjsd_masked_rows": _trl_gjsd_masked_rows}
+         "trl_gjsd_masked_rows": _trl_gjsd_masked_rows, "verl_masked_mean": _verl_masked_mean}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -1114,11 +1123,12 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
 
 
 @interpreter_only
-@pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows"])
+@pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows", "verl_masked_mean"])
 def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeypatch):
-    """``(rows * mask).sum() / mask.sum()`` with a boolean mask (cast or not): the pass makes the masked
-    sum the site (reduction ``sum``, the mask the op's target), so the kept path computes the masked
-    rows only (their GEMMs count-bounded); eager's values and student gradients, bf16 biasless heads."""
+    """Per-row divergences times a boolean row mask (cast or not): ``(rows * mask).sum() / mask.sum()``
+    becomes one site of reduction ``sum``, a masked mean over each sequence a per-row site; either way
+    the mask is the op's target, so the kept path computes the masked rows only (their GEMMs
+    count-bounded); eager's values and student gradients, bf16 biasless heads."""
     calls = _skip_calls(monkeypatch)
     ins, y = _prompted()
     fn = functools.partial(FUSED[name], bs=None) if name == "log_target_masked" else FUSED[name]

@@ -11,9 +11,9 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
   row, the user's masking and reduction kept);
 * ``(p * (log_p - log_q)).sum(-1)`` with ``p`` the softmax (or ``exp``) of ``log_p``: KL(p ‖ q) per
   row, the reverse KL of TRL's and verl's RL code when the student is ``p``;
-* either per-row form summed under a boolean row mask (cast or not), ``(rows * mask).sum()`` (the
-  numerator of a masked mean, as GKD masks the prompt): one site with reduction ``sum`` whose target
-  marks the mask's False rows ignored, so the op need not compute them (``_masked_sum``);
+* either per-row form times a boolean row mask (cast or not): the mask's False rows become the op's
+  ignored ones, so it need not compute them; summed whole, ``(rows * mask).sum()`` (the numerator
+  of a masked mean, as GKD masks the prompt), one site with reduction ``sum`` (``_masked_sum``);
 * ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
   ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows);
 * TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
@@ -171,19 +171,23 @@ def _bool_source(node) -> Optional[Node]:
 
 
 def _masked_sum(f: dict) -> dict:
-    """A per-row site whose rows are only summed under a row mask, ``(rows * mask).sum()`` (the GKD
-    spelling's numerator; ``mask`` boolean or cast from one, the rows' shape): the site becomes that
-    sum (reduction ``sum``, ``mask`` the rows that count, so the op can skip the others); else ``f``."""
+    """A per-row site whose rows are only used under a row mask, ``rows * mask`` (``mask`` boolean or
+    cast from one, the rows' shape): ``mask`` the rows that count, so the op can skip the others (its
+    rows there are 0, as the product's). Summed whole, ``(rows * mask).sum()`` (the GKD spelling's
+    numerator), the site becomes that sum (reduction ``sum``: the gradients formed in the forward);
+    otherwise (verl's ``masked_mean`` over a dim) the per-row site with the mask. Else ``f``."""
     rows = f["out"]
     mul = next(iter(rows.users)) if len(rows.users) == 1 else None
     if mul is None or not is_call(mul, MUL) or len(mul.args) != 2 or mul.kwargs:
         return f
     other = mul.args[1] if mul.args[0] is rows else mul.args[0]
     mask = _bool_source(other)
-    total = next(iter(mul.users)) if len(mul.users) == 1 else None
-    if mask is None or tval(mask).shape != tval(rows).shape or total is None or not (
-            is_call(total, ("sum",)) or is_call(total, (torch.sum,))) or len(total.args) != 1 or total.kwargs:
+    if mask is None or tval(mask).shape != tval(rows).shape:
         return f
+    total = next(iter(mul.users)) if len(mul.users) == 1 else None
+    if total is None or not (is_call(total, ("sum",)) or is_call(total, (torch.sum,))) or len(total.args) != 1 \
+            or total.kwargs:
+        return dict(f, mask=mask, anchor=mul)  # the op goes where the mask exists: before the product
     return dict(f, reduce="sum", out=total, inp=mul, mask=mask, nodes=(total, mul, *f["nodes"]))
 
 
@@ -358,7 +362,7 @@ def _check(f: dict) -> Optional[str]:
         return f"unsupported device(s) {sorted(map(str, devices))}"
     mine = set(f["nodes"]) | set(q.nodes) | set(p.nodes)
     others = sorted({u.name for n in mine if n is not f["out"] for u in n.users if u not in mine})
-    last, mix = f["out"], None
+    last, mix = f.get("anchor", f["out"]), None
     if others:  # the student's hard-label cross-entropy added to the divergence: one op for both
         mix = _hard_label_mix(f)
         if mix is not None and not isinstance(mix, str):
@@ -406,7 +410,7 @@ def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
 def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     q, p, graph, node = f["q"], f["p"], gm.graph, f["out"]
     # at the loss (or at the sum with the cross-entropy): both heads' inputs and the targets exist there
-    e = Emitter(graph, f["mix"]["add"] if "mix" in f else node, node)
+    e = Emitter(graph, f["mix"]["add"] if "mix" in f else f.get("anchor", node), node)
     hs, ws, bs = _operands(e, q)
     ht, wt, bt = _operands(e, p)
     needs = [bool(t is not None and tval(t).requires_grad) for t in (hs, ws, bs, ht, wt, bt)]
@@ -476,7 +480,7 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
 
 
 # explain's note on a _masked_sum site
-MASKED = (", summed under a row mask (its dropped rows the op's ignored ones: not computed, on CUDA for biasless "
+MASKED = (", under a row mask (its dropped rows the op's ignored ones: not computed, on CUDA for biasless "
           "16-bit heads)")
 
 
