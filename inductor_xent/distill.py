@@ -194,12 +194,14 @@ def _du(kind: str, beta: float, ls: Tensor, lt: Tensor, q: Tensor, p: Tensor, ro
 
 def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Tensor], kind: str, beta: float,
                 scale_s: float, scale_t: float, grad_s: bool, grad_t: bool, target: Optional[Tensor] = None,
-                g_ce: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None):
+                g_ce: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None, unwritten: bool = False):
     """One chunk's rows (0 where not ``valid``) and the gradients with respect to the two heads'
     logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``.
     With ``target`` also the student's hard-label cross-entropy rows ``lse(zs) − zs[target]`` (its
     raw logits, no temperature; 0 where not ``ce_valid``), returned third, and with ``g_ce`` (its
-    rows' gradients) their gradient ``softmax(zs) − onehot`` joins the student's."""
+    rows' gradients) their gradient ``softmax(zs) − onehot`` joins the student's. ``unwritten``: the
+    logits of rows not ``valid`` may be any bits (a count-bounded GEMM left them), so their gradients
+    are set to exactly 0 (a product with a 0 weight would keep a NaN)."""
     work = compute_dtype(zs.dtype)
     rows, du_s, du_t = _rows(kind, beta, zs.to(work) * scale_s, zt.to(work) * scale_t, grad_s, grad_t)
     if valid is not None:
@@ -217,7 +219,7 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     if du_ce is not None:
         dz_s = du_ce if dz_s is None else dz_s + du_ce
     dz_t = None if du_t is None else du_t * (g * scale_t)[:, None]
-    if valid is not None:  # exactly 0, whatever the logits (a count-bounded GEMM did not write them)
+    if unwritten and valid is not None:  # exactly 0, whatever the logits (a count-bounded GEMM left them)
         dz_s = None if dz_s is None else torch.where(valid[:, None], dz_s, 0.0)
         dz_t = None if dz_t is None else torch.where(valid[:, None], dz_t, 0.0)
     return rows, None if dz_s is None else dz_s.to(zs.dtype), ce, None if dz_t is None else dz_t.to(zt.dtype)
@@ -225,12 +227,12 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
 
 def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor], kind: str, beta: float,
                      scale_s: float, scale_t: float, target: Optional[Tensor] = None, g_ce: Optional[Tensor] = None,
-                     ce_valid: Optional[Tensor] = None):
+                     ce_valid: Optional[Tensor] = None, unwritten: bool = False):
     """``_chunk_math`` for ``keeps_dz``: ``dz`` holds the chunk's student logits and gets their
     gradient in place (0 on the rows not ``valid``); returns the rows (and the cross-entropy rows or
     None)."""
     rows, dz_s, ce, _ = _chunk_math(dz, zt, g, valid, kind, beta, scale_s, scale_t, True, False, target, g_ce,
-                                    ce_valid)
+                                    ce_valid, unwritten)
     dz.copy_(dz_s)
     return rows, ce
 
@@ -329,7 +331,7 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
         g = None if row_grad is None else row_grad[sl]
         rows, dz_s, ce_rows, dz_t = math_fn(zs, zt, g, valid, kind, beta, scale_s, scale_t, grad_s, grad_t,
                                             target[sl] if ce else None, None if ce_grad is None else ce_grad[sl],
-                                            labelled if ce else None)
+                                            labelled if ce else None, skip)
         del zs, zt
         rows_out[sl] = rows
         if ce:
@@ -450,7 +452,7 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
         rows_out[sl], ce_rows = math_fn(part, zt, row_grad[sl], labelled if mask_divergence else None, kind, beta,
                                         scale_s, scale_t, target[sl] if ce_out is not None else None,
                                         None if ce_grad is None else ce_grad[sl],
-                                        labelled if ce_out is not None else None)
+                                        labelled if ce_out is not None else None, skip)
         del zt
         if ce_out is not None:
             ce_out[sl] = ce_rows
@@ -626,8 +628,10 @@ def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor,
     # the rows with an incoming gradient first, every GEMM stopping at their count: a frozen teacher's
     # backward under skips_rows (the forward's condition, the mask read from the gradients)
     skip = n > 0 and not grad_t and skips_rows(hs, ws, bs, ht, wt, bt, target, True)
-    has_grad = grad_div != 0 if grad_ce is None else (grad_div != 0) | (grad_ce != 0)
-    idx = None if skip else _host_rows(has_grad)
+    has_grad = None  # the rows with an incoming gradient: where skipping on the GPU, or on CPU
+    if n and (skip or hs.device.type == "cpu"):
+        has_grad = grad_div != 0 if grad_ce is None else (grad_div != 0) | (grad_ce != 0)
+    idx = None if skip or has_grad is None else _host_rows(has_grad)
     if idx is not None:  # on CPU: the rows with an incoming gradient alone, the others' hidden gradients 0
         sub = [None if t is None else t.index_select(0, idx) for t in (grad_div, grad_ce, stats, hs, ht, target)]
         grads = _recompute_grads(sub[0], sub[1], sub[2], sub[3], ws, bs, sub[4], wt, bt, sub[5], kind, beta, scale_s,
