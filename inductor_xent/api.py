@@ -77,7 +77,7 @@ def linear_cross_entropy(
         store = ops.STORE if torch.compiler.is_compiling() else ops.store_consuming_gradients
         loss, *_ = store(hidden2d, weight, bias, target1d, *options, reduction, 0, budget, *needs)
         return loss
-    rows = ops.FORWARD(hidden2d, weight, bias, target1d, *options)[0]
+    rows = ops.FORWARD(hidden2d, weight, bias, target1d, *options, False, True)[0]  # skip_ignored: lse unread
     if reduction == "none":
         return rows.view(target.shape)
     return reduced(rows.sum(), target1d != ignore_index, reduction)
@@ -206,7 +206,7 @@ def linear_log_probs(
         run = ops.LOGPROB_STORE if torch.compiler.is_compiling() else ops.consuming_stored
         log_probs, ent, arg, *_ = run(*args, 0, budget)
     else:
-        log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args)
+        log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args, True)  # skip_ignored: no lse read here
     shape = target.shape
     return LogProbs(log_probs.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
 

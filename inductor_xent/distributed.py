@@ -202,9 +202,10 @@ def _forward(lay: Layout, x, w, b, t, ignore_index, eps, logit_scale, softcap, z
 
 
 def forward(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss,
-            write_logits=False):
+            write_logits=False, skip_ignored=False):
     """``ops.FORWARD`` on DTensors: per-row (loss, lse, lse_lo), all Replicate DTensors, and an
-    empty logits output (the pass never asks a vocabulary-parallel op for the logits)."""
+    empty logits output (the pass never asks a vocabulary-parallel op for the logits).
+    ``skip_ignored`` is a permission, not a duty: every row is computed here."""
     lay, x, w, b, t = _enter(hidden, weight, bias, target, label_smoothing, softcap)
     _no_logits(write_logits)
     fallback.check_targets(t, lay.vocab, ignore_index)  # real CPU targets only

@@ -194,14 +194,17 @@ def forward(
     target: Tensor,  # (N,)
     opts: LossOptions,
     logits: Optional[Tensor] = None,  # (N, V): receives the raw logits (write_logits)
+    skip_ignored: bool = False,  # nobody reads the ignored rows' lse: their logits are not computed
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row loss, logsumexp and its rounding residual, all (N,) in the compute dtype."""
+    """Per-row loss, logsumexp and its rounding residual, all (N,) in the compute dtype. With
+    ``skip_ignored``, where the backward skips them too (``_live_rows``: CPU) and no logits are
+    written, an ignored row's three values are 0 and its logits are never computed."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
-    loss, lse, lse_lo = (torch.empty(n, dtype=cd, device=hidden.device) for _ in range(3))
-    step = chunk_rows(n, vocab, cd)
-    for start in range(0, n, step):
-        rows = slice(start, start + step)
+    live = _live_rows(target != opts.ignore_index) if skip_ignored and logits is None else None
+    new = torch.empty if live is None else torch.zeros
+    loss, lse, lse_lo = (new(n, dtype=cd, device=hidden.device) for _ in range(3))
+    for rows in _row_chunks(n, chunk_rows(n, vocab, cd), live):
         z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts, None if logits is None else logits[rows])
         t = target[rows]
         loss[rows], lse[rows], lse_lo[rows] = _row_stats(z, t, t != opts.ignore_index, opts)
@@ -216,18 +219,20 @@ def log_probs_forward(
     opts: LossOptions,  # no label smoothing or z-loss; the temperature folded in
     need_entropy: bool,
     need_argmax: bool,
+    skip_ignored: bool = False,  # nobody reads the ignored rows' lse: their logits are not computed
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(log_probs, entropy, argmax, lse, lse_lo), (N,) each; log_probs and entropy 0 on ignored
-    rows, argmax (int64) of every row; entropy and argmax empty (0,) where not asked for."""
+    rows, argmax (int64) of every row; entropy and argmax empty (0,) where not asked for. With
+    ``skip_ignored`` and no argmax, as ``forward``'s: an ignored row's lse and lse_lo are 0 too."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
     dev = hidden.device
-    log_probs, lse, lse_lo = (torch.empty(n, dtype=cd, device=dev) for _ in range(3))
-    entropy = torch.empty(n if need_entropy else 0, dtype=cd, device=dev)
+    live = _live_rows(target != opts.ignore_index) if skip_ignored and not need_argmax else None
+    new = torch.empty if live is None else torch.zeros
+    log_probs, lse, lse_lo = (new(n, dtype=cd, device=dev) for _ in range(3))
+    entropy = new(n if need_entropy else 0, dtype=cd, device=dev)
     argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
-    step = chunk_rows(n, vocab, cd)
-    for start in range(0, n, step):
-        rows = slice(start, start + step)
+    for rows in _row_chunks(n, chunk_rows(n, vocab, cd), live):
         z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts)
         t = target[rows]
         valid = t != opts.ignore_index

@@ -6,13 +6,16 @@ two-lm_head distillation ops that ``distill.py`` defines next to their chunked i
 
 Strategy ``recompute`` (strategy.py):
 
-* ``inductor_xent::linear_ce_fwd(hidden, weight, bias, target, <options>, write_logits=False) ->
-  (loss, lse, lse_lo, logits)``: per-row loss (0 on ignored rows), logsumexp, and the logsumexp's
+* ``inductor_xent::linear_ce_fwd(hidden, weight, bias, target, <options>, write_logits=False,
+  skip_ignored=False) -> (loss, lse, lse_lo, logits)``: per-row loss (0 on ignored rows), logsumexp, and the logsumexp's
   rounding residual (``lse + lse_lo`` is the logsumexp to twice the working precision; not
   differentiable), each (N,), float32 (float64 for float64 inputs); with ``write_logits`` also the
   raw logits ``hidden @ weight.T + bias`` (N, V) in the inputs' dtype, written by the forward from
   the tiles it computes anyway (else an empty (0,)); not differentiable: the pass attaches their
-  gradient outside the compiled graph (escape.py), where it costs nothing unless used.
+  gradient outside the compiled graph (escape.py), where it costs nothing unless used. With
+  ``skip_ignored`` (the caller reads no ignored row's lse: the API, and the pass where no z-loss or
+  logsumexp of the graph reads the op's) an ignored row's logits are not computed wherever the
+  backward skips it too, and its loss, lse and lse_lo are 0.
 * ``inductor_xent::linear_ce_bwd(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo,
   <options>, needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``:
   always three tensors; one that is not needed is empty, shape (0,).
@@ -43,10 +46,11 @@ Strategy ``store``:
 Log-probabilities (``linear_log_probs``; RL and evaluation heads), strategy ``recompute``:
 
 * ``inductor_xent::linear_logprob_fwd(hidden, weight, bias, target, ignore_index, logit_scale,
-  softcap, need_entropy, need_argmax) -> (log_probs, entropy, argmax, lse, lse_lo)``: per row
-  ``z_t − lse`` and the entropy ``−Σ p log p`` (both 0 on ignored rows; compute dtype), the argmax
-  (int64, every row, the first maximal column), lse and its residual. ``entropy`` and ``argmax``
-  are empty (0,) when not asked for. A temperature is folded into ``logit_scale`` and ``softcap``
+  softcap, need_entropy, need_argmax, skip_ignored=False) -> (log_probs, entropy, argmax, lse,
+  lse_lo)``: per row ``z_t − lse`` and the entropy ``−Σ p log p`` (both 0 on ignored rows; compute
+  dtype), the argmax (int64, every row, the first maximal column), lse and its residual. ``entropy``
+  and ``argmax`` are empty (0,) when not asked for. ``skip_ignored`` as ``linear_ce_fwd``'s, where
+  no argmax is asked for. A temperature is folded into ``logit_scale`` and ``softcap``
   by the caller (``options.fold_temperature``). Differentiable in log_probs, entropy and lse.
 * ``inductor_xent::linear_logprob_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias,
   target, lse, lse_lo, entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight,
@@ -167,16 +171,19 @@ def linear_ce_fwd(
     softcap: Optional[float],
     z_loss: float,
     write_logits: bool = False,
+    skip_ignored: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     opts = _opts(ignore_index, label_smoothing, logit_scale, softcap, z_loss)
     fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
     logits = _logits_output(hidden, weight, write_logits)
     out = logits if write_logits else None
-    return (*_implementation(hidden).forward(hidden, weight, bias, target, opts, logits=out), logits)
+    return (*_implementation(hidden).forward(hidden, weight, bias, target, opts, logits=out,
+                                             skip_ignored=skip_ignored), logits)
 
 
 @linear_ce_fwd.register_fake
-def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, write_logits=False):
+def _(hidden, weight, bias, target, ignore_index, label_smoothing, logit_scale, softcap, z_loss, write_logits=False,
+      skip_ignored=False):
     cd = compute_dtype(hidden.dtype)
     n = hidden.shape[0]
     return (*(hidden.new_empty((n,), dtype=cd) for _ in range(3)), _logits_output(hidden, weight, write_logits))
@@ -242,7 +249,8 @@ def _setup_context(ctx, inputs, output):
     # the logits output carries no gradient here: the pass hands the returned logits to
     # escape.EscapedLogits, whose backward runs only when the caller uses them
     ctx.mark_non_differentiable(output[2], output[3])
-    ctx.options = options[:5]  # ignore_index ... z_loss (not write_logits)
+    ctx.options = options[:5]  # ignore_index ... z_loss (not write_logits, skip_ignored)
+    ctx.num_inputs = len(inputs)
 
 
 def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo, _grad_logits):
@@ -260,7 +268,7 @@ def _backward(ctx, grad_loss, grad_lse, _grad_lse_lo, _grad_logits):
         grad_h if need_h else None,
         grad_w if need_w else None,
         grad_b if need_b and bias is not None else None,
-        None, None, None, None, None, None, None,
+        *(None,) * (ctx.num_inputs - 3),
     )
 
 
@@ -430,14 +438,17 @@ def linear_logprob_fwd(
     softcap: Optional[float],
     need_entropy: bool,
     need_argmax: bool,
+    skip_ignored: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _lp_opts(ignore_index, logit_scale, softcap)
     fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
-    return _implementation(hidden).log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax)
+    return _implementation(hidden).log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax,
+                                                     skip_ignored=skip_ignored)
 
 
 @linear_logprob_fwd.register_fake
-def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax):
+def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax,
+      skip_ignored=False):
     return _lp_fakes(hidden, need_entropy, need_argmax)
 
 
@@ -496,17 +507,19 @@ def _(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse,
 
 
 def _lp_setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, _ = inputs
+    hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, *_ = inputs
     _, entropy, argmax, lse, lse_lo = output
     ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy)
     ctx.mark_non_differentiable(argmax, lse_lo)
     ctx.set_materialize_grads(False)  # an unused entropy costs no entropy term in the backward
     ctx.options = (ignore_index, logit_scale, softcap)
     ctx.need_entropy = need_entropy
+    ctx.num_inputs = len(inputs)  # nine, or ten with skip_ignored
 
 
 def _lp_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, _grad_lse_lo):
-    return _lp_grads(ctx, LOGPROB_BACKWARD, ctx.saved_tensors, grad_log_probs, grad_entropy, grad_lse)
+    return _lp_grads(ctx, LOGPROB_BACKWARD, ctx.saved_tensors, grad_log_probs, grad_entropy, grad_lse,
+                     extra=ctx.num_inputs - 9)
 
 
 def _lp_grads(ctx, op, saved, grad_log_probs, grad_entropy, grad_lse, stored=(), extra=0):

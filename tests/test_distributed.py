@@ -590,7 +590,7 @@ class GraphModule(torch.nn.Module):
         l_y_ = L_y_
         view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
         reshape: "DTensor(f32[14, 16], R)" = l_x_.reshape([-1, 16])
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, view_1, -100, 0.0, 1.0, None, 0.0);  reshape = l_w_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, view_1, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  reshape = l_w_ = None
         getitem: "DTensor(f32[14], R)" = linear_ce_fwd_default[0]
         to_local: "f32[14]" = getitem.to_local();  getitem = None
         getitem_1: "DTensor(f32[14], R)" = linear_ce_fwd_default[1];  linear_ce_fwd_default = None

@@ -145,6 +145,19 @@ def test_all_ignored_mean_is_nan_like_eager():
     assert counters["inductor_xent"]["sites_fused"] == 1
 
 
+@pytest.mark.parametrize("name, skips", [("linear_view_mean", True), ("z_loss", False)])
+def test_recompute_op_skips_ignored_rows_unless_their_lse_is_read(name, skips):
+    """The recompute op is told to skip the ignored rows (``skip_ignored``) where nothing in the graph
+    reads its lse; a z-loss over a logsumexp of every row reads it, so there every row is computed.
+    The loss and gradients equal eager's either way (make_inputs ignores some rows)."""
+    fn, _ = SPELLINGS[name]
+    ins = make_inputs()
+    rec = Recorder(**{"xent.strategy": "recompute"})
+    assert_parity(fn, ins, rec)
+    (op,) = [n for n in rec.graphs[0].graph.nodes if n.target is ops.FORWARD]
+    assert len(op.args) == 9 and op.kwargs == ({"skip_ignored": True} if skips else {})
+
+
 class _Head(torch.nn.Module):
     """nn.Linear + nn.CrossEntropyLoss modules, as a model would hold them."""
 
@@ -364,7 +377,7 @@ class GraphModule(torch.nn.Module):
         view_1: "i64[14]" = shift.view(-1);  shift = None
         to: "i64[14]" = view_1.to(device(type='cpu'));  view_1 = None
         reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, to, -100, 0.0, 1.0, None, 0.0);  reshape = l_w_ = to = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, to, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  reshape = l_w_ = to = None
         getitem_1: "f32[14]" = linear_ce_fwd_default[0]
         getitem_2: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_2 = None
         sum_1: "f32[]" = getitem_1.sum();  getitem_1 = None
@@ -400,7 +413,7 @@ class GraphModule(torch.nn.Module):
         reshape_1: "i64[12]" = getitem_1.reshape(-1);  getitem_1 = None
         getitem_2: "f32[2, 6, 16]" = l_x_[(slice(None, None, None), slice(None, -1, None))];  l_x_ = None
         reshape_2: "f32[12, 16]" = getitem_2.reshape([-1, 16]);  getitem_2 = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_2, l_w_, None, reshape_1, -100, 0.0, 1.0, 2.0, 0.0);  reshape_2 = l_w_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_2, l_w_, None, reshape_1, -100, 0.0, 1.0, 2.0, 0.0, skip_ignored = True);  reshape_2 = l_w_ = None
         getitem_3: "f32[12]" = linear_ce_fwd_default[0]
         getitem_4: "f32[12]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_4 = None
         view_as: "f32[12]" = getitem_3.view_as(reshape_1);  getitem_3 = reshape_1 = None
@@ -434,7 +447,7 @@ class GraphModule(torch.nn.Module):
         l_y_ = L_y_
         view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
         reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, l_b_, view_1, -100, 0.0, 0.5, 3.0, 0.0);  reshape = l_w_ = l_b_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, l_b_, view_1, -100, 0.0, 0.5, 3.0, 0.0, skip_ignored = True);  reshape = l_w_ = l_b_ = None
         getitem: "f32[14]" = linear_ce_fwd_default[0]
         getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
         ne: "b8[14]" = view_1 != -100;  view_1 = None
@@ -466,7 +479,7 @@ class GraphModule(torch.nn.Module):
         flatten_1: "i64[14]" = l_y_.flatten();  l_y_ = None
         flatten_2: "f32[14, 16]" = l_x_.flatten(0, 1);  l_x_ = None
         t: "f32[37, 16]" = l_wdv_.t();  l_wdv_ = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten_2, t, None, flatten_1, -100, 0.0, 1.0, None, 0.0);  flatten_2 = t = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten_2, t, None, flatten_1, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  flatten_2 = t = None
         getitem: "f32[14]" = linear_ce_fwd_default[0]
         getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
         ne: "b8[14]" = flatten_1 != -100;  flatten_1 = None
@@ -668,7 +681,7 @@ class GraphModule(torch.nn.Module):
         mul_1: "f32[37, 16]" = l_w_ * reshape_1;  l_w_ = reshape_1 = None
         view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
         reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, mul_1, None, view_1, -100, 0.0, 1.0, None, 0.0);  reshape = mul_1 = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, mul_1, None, view_1, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  reshape = mul_1 = None
         getitem: "f32[14]" = linear_ce_fwd_default[0]
         getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
         ne: "b8[14]" = view_1 != -100;  view_1 = None
@@ -705,7 +718,7 @@ class GraphModule(torch.nn.Module):
         reshape: "i64[14]" = transpose_1.reshape(-1);  transpose_1 = None
         permute: "f32[7, 2, 16]" = l_x_.permute((1, 0, 2));  l_x_ = None
         reshape_1: "f32[14, 16]" = permute.reshape([-1, 16]);  permute = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_1, l_w_, None, reshape, -100, 0.0, 1.0, None, 0.0);  reshape_1 = l_w_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape_1, l_w_, None, reshape, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  reshape_1 = l_w_ = None
         getitem: "f32[14]" = linear_ce_fwd_default[0]
         getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
         ne: "b8[14]" = reshape != -100;  reshape = None

@@ -1073,6 +1073,43 @@ def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
     assert launch.backward(gl, torch.zeros_like(gl), h, *args)[1].isnan().any()
 
 
+@pytest.mark.parametrize("head", ["loss", "log_probs"])
+def test_recompute_forward_skips_ignored_rows(head, monkeypatch):
+    """With ``skip_ignored`` the recompute forward (the loss's, and the log-prob op's with its entropy)
+    moves the valid rows first and the row blocks past their count exit at once: NaN in the ignored
+    rows' hidden states leaves every valid row's outputs the bits of the forward over finite inputs
+    (the same tiles, the same vocabulary split), and the ignored rows' outputs 0. Fails if those rows
+    are computed (skipping off puts their NaN into the lse)."""
+    block = 128 if CUDA else 16  # the forward's row block
+    n = 3 * block + 5
+    h, w, b, t = make_inputs(n=n, bias=True, seed=27, dtype=torch.bfloat16)  # 16-bit: rows.compacts
+    t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(28)).to(t.device)
+    t[torch.arange(n, device=t.device) % 4 == 1] = -100
+    t[block:2 * block] = -100  # a whole row block ignored
+    keep = t != -100
+    if head == "loss":
+        o = LossOptions(label_smoothing=0.1, z_loss=1e-3)
+
+        def run(h, **kw):
+            return launch.forward(h, w, b, t, o, **kw)
+    else:
+        o = LossOptions(logit_scale=1 / 0.7, softcap=20.0)
+
+        def run(h, **kw):
+            lp, ent, _, lse, lse_lo = launch.log_probs_forward(h, w, b, t, o, True, False, **kw)
+            return lp, ent, lse, lse_lo
+
+    dense = run(h)
+    h = h.clone()
+    h[~keep] = float("nan")
+    skipped = run(h, skip_ignored=True)
+    for ours, full in zip(skipped, dense):
+        assert torch.equal(ours[keep], full[keep])
+        assert torch.equal(ours[~keep].abs(), torch.zeros_like(ours[~keep]))  # (log-probs: −0.0)
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert run(h, skip_ignored=True)[-2].isnan().any()
+
+
 def _api_precision():
     """``torch.get_float32_matmul_precision()``, or None where torch 2.11 refuses to read it: the legacy
     flag and the new API both set in this process (by an earlier test, or a library such as HF's

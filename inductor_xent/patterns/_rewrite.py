@@ -131,8 +131,10 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
                   "entropy": (lambda: item(1), 1), "argmax": (lambda: item(2), 1)}
         lse = item(3) if plan.lse_users else None
     else:
+        # no logsumexp of the graph reads the op's lse: the ignored rows' logits need not exist
+        skip = {} if plan.lse_users or plan.returned or ii == NO_IGNORE else {"skip_ignored": True}
         out = e.call(ops.FORWARD, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
-                     0.0, *write)
+                     0.0, *write, **skip)
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
     _place_heads(e, plan, values, ops_in, ii, folded)
@@ -167,9 +169,11 @@ def rewrite_shared(gm, plans: list, sink: list, how: strategy.GradientPlan, eras
     hidden = e.call(torch.cat, [o.hidden2d for o in operands], 0)
     target = e.call(torch.cat, [o.target1d for o in operands], 0)
     op = ops.LOGPROB_STORE if how.strategy == "store" else ops.LOGPROB_FORWARD
-    # the op skips the ignored rows (0 there), each site's cross-entropy is minus its rows' log-probs
+    # the op skips the ignored rows (0 there), each site's cross-entropy is minus its rows' log-probs;
+    # no site reads an lse (_shared.groups): the recompute op need not compute the ignored rows at all
     out = e.call(op, hidden, operands[0].weight, operands[0].bias, target, ii, scale, cap, False, False,
-                 *((0, how.budget) if how.strategy == "store" else ()))
+                 *((0, how.budget) if how.strategy == "store" else ()),
+                 **({} if how.strategy == "store" or ii == NO_IGNORE else {"skip_ignored": True}))
     rows = e.call(torch.split, e.getitem(out, 0), [e.method("size", o.hidden2d, 0) for o in operands])
     folded = [[] for _ in plans]
     for k, (plan, ops_k) in enumerate(zip(plans, operands)):

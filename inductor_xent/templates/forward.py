@@ -61,7 +61,7 @@ from .common import (
 @triton.jit
 def lce_fwd_kernel(
     # pointers
-    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, arg_ptr, logits_ptr,
+    hidden_ptr, weight_ptr, bias_ptr, target_ptr, part_ptr, arg_ptr, logits_ptr, count_ptr,
     # sizes
     N, V, D, tiles_per_split, num_splits,
     # strides
@@ -74,14 +74,19 @@ def lce_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr,
     DOT_UPCAST: tl.constexpr, USE_TMA: tl.constexpr, HAS_SCALE: tl.constexpr, EVEN_V: tl.constexpr,
-    WRITE_LOGITS: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr, HAS_COUNT: tl.constexpr,
 ):
     """One (row block, vocabulary split): partials m, s, zt[, sz][, a] into part[P, num_splits, N],
     and with NEED_ARGMAX the split's argmax into arg[num_splits, N] (int32); with WRITE_LOGITS each
     raw tile (acc + bias) into logits[N, V] in its dtype (escape.py: the returned logits). With USE_TMA, hidden_ptr and
     weight_ptr are TMA descriptors of [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K] blocks (row-major,
-    16-byte aligned operands; the launcher decides)."""
+    16-byte aligned operands; the launcher decides). With HAS_COUNT (count_ptr: a (1,) int32 device
+    scalar, the rows compacted first: rows.compact) a row block past the first count rows exits at
+    once and writes no partials."""
     pid_m, pid_s = grouped_pid(tl.program_id(0), cdiv(N, BLOCK_M), num_splits, GROUP_M)
+    if HAS_COUNT:
+        if pid_m * BLOCK_M >= tl.load(count_ptr):
+            return
 
     # ---- rows: clamp out-of-range rows onto row N-1 so loads need no row mask -----------------
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -108,17 +108,43 @@ def forward(
     *,
     cfg: Optional[KernelConfig] = None,  # the benchmark's --sweep; the table's choice otherwise
     logits: Optional[Tensor] = None,  # (N, V): receives hidden @ weight.T + bias (write_logits)
+    skip_ignored: bool = False,  # nobody reads the ignored rows' lse: their logits are not computed
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-row loss (0 on ignored rows), logsumexp and its rounding residual (every row), (N,) fp32."""
+    """Per-row loss (0 on ignored rows), logsumexp and its rounding residual (every row), (N,) fp32.
+    With ``skip_ignored``, where the backward compacts too (``rows.compacts``: 16-bit inputs; it
+    then never reads an ignored row's lse) and no logits are written, the valid rows go first on
+    the device and the row blocks past their count exit at once: an ignored row's loss, lse and
+    lse_lo are 0. The same bits for the valid rows (same tiles, same vocabulary split)."""
     n = hidden.shape[0]
     v = weight.shape[0]
-    loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(3))
+    dev = hidden.device
+    loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
     if n == 0:
         return loss, lse, lse_lo
     cfg = cfg or configs.forward_config(hidden.dtype)
-    _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, v), (loss, lse, lse_lo),
-                  logits=logits)
+    if skip_ignored and logits is None and rows.compacts(hidden.dtype):
+        _valid_rows_pass(hidden, weight, bias, target, opts, cfg, (loss, lse, lse_lo))
+    else:
+        _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, v), (loss, lse, lse_lo),
+                      logits=logits)
     return loss, lse, lse_lo
+
+
+def _valid_rows_pass(hidden, weight, bias, target, opts, cfg, outs, entropy=None) -> None:
+    """``_forward_pass`` over the valid rows alone, graph-safe: they go first on the device
+    (rows.compact), the row blocks past their count exit at once, and ``outs`` (and ``entropy``)
+    receive the valid rows' values in row order, 0 on the ignored rows. The vocabulary split is
+    the one of all N rows: a valid row's values are the bits of the dense pass."""
+    n = hidden.shape[0]
+    order, count = rows.compact(target != opts.ignore_index)
+    h, t = hidden.index_select(0, order), target.index_select(0, order)
+    dest = (*outs, *(() if entropy is None else (entropy,)))
+    tmp = [torch.empty_like(x) for x in dest]
+    _forward_pass(h, weight, bias, t, opts, cfg, *_splits(cfg, hidden, weight.shape[0]), tuple(tmp[:3]),
+                  entropy=None if entropy is None else tmp[3], count=count)
+    kept = torch.arange(n, device=hidden.device) < count  # the rows past the count hold whatever was there
+    for x, y in zip(dest, tmp):
+        x.zero_().index_copy_(0, order, torch.where(kept, y, 0.0))
 
 
 def log_probs_forward(
@@ -131,10 +157,11 @@ def log_probs_forward(
     need_argmax: bool,
     *,
     cfg: Optional[KernelConfig] = None,
+    skip_ignored: bool = False,  # nobody reads the ignored rows' lse: their logits are not computed
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(log_probs, entropy, argmax, lse, lse_lo), (N,) each: the forward kernel with the entropy
     and argmax partials; log_probs = −loss. entropy (fp32) and argmax (int64) are (0,) where not
-    asked for."""
+    asked for. ``skip_ignored`` as ``forward``'s, where no argmax is asked for (it needs every row)."""
     n = hidden.shape[0]
     dev = hidden.device
     loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
@@ -142,9 +169,13 @@ def log_probs_forward(
     argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
     if n > 0:
         cfg = cfg or configs.forward_config(hidden.dtype)
-        _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, weight.shape[0]),
-                      (loss, lse, lse_lo), entropy=entropy if need_entropy else None,
-                      argmax=argmax if need_argmax else None)
+        if skip_ignored and not need_argmax and rows.compacts(hidden.dtype):
+            _valid_rows_pass(hidden, weight, bias, target, opts, cfg, (loss, lse, lse_lo),
+                             entropy if need_entropy else None)
+        else:
+            _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, weight.shape[0]),
+                          (loss, lse, lse_lo), entropy=entropy if need_entropy else None,
+                          argmax=argmax if need_argmax else None)
     return loss.neg_(), entropy, argmax, lse, lse_lo
 
 
@@ -167,8 +198,8 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
     with ``e`` (the store forward, store.lce_store_fwd_kernel: one split per tile) also the
     exp-logit tiles, and ``st`` the target's sech² under a softcap; with ``entropy`` / ``argmax``
     those of every row; with ``logits`` the raw logit tiles (acc + bias, in its dtype); with
-    ``count`` (store only; a (1,) int32 device tensor) only the row blocks holding the first count
-    rows (rows.py); ``e_sech2`` False keeps E free of the softcap's sech² (the log-prob op's store).
+    ``count`` (a (1,) int32 device tensor) only the row blocks holding the first count rows
+    (rows.py); ``e_sech2`` False keeps E free of the softcap's sech² (the log-prob op's store).
     Returns the partials (their plane 0 holds each split's row max)."""
     n, d = hidden.shape
     v = weight.shape[0]
@@ -202,7 +233,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
         )
     else:
         lce_fwd_kernel[(triton.cdiv(n, cfg.block_m) * splits,)](
-            h_op, w_op, bias, target, part, arg_part, logits,
+            h_op, w_op, bias, target, part, arg_part, logits, count,
             n, v, d, tiles_per_split, splits,
             hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
             0 if logits is None else logits.stride(0),
@@ -213,7 +244,7 @@ def _forward_pass(hidden, weight, bias, target, opts, cfg, splits, tiles_per_spl
             EVEN_K=d % cfg.block_k == 0, INPUT_PRECISION=_input_precision(hidden.dtype),
             NUM_STAGES=cfg.num_stages, DOT_UPCAST=config.triton_interpret(), USE_TMA=use_tma,
             HAS_SCALE=logit_scale != 1.0, EVEN_V=v % cfg.block_n == 0, WRITE_LOGITS=logits is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HAS_COUNT=count is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     loss, lse, lse_lo = outs
     lce_combine_kernel[(triton.cdiv(n, COMBINE_BLOCK),)](
