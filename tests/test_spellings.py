@@ -198,7 +198,7 @@ class GraphModule(torch.nn.Module):
         view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
         truediv_1: "f32[2, 7, 16]" = l_x_ / unsqueeze;  l_x_ = unsqueeze = None
         reshape: "f32[14, 16]" = truediv_1.reshape([-1, 16]);  truediv_1 = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, view_1, -100, 0.0, 1.0, None, 0.0);  reshape = l_w_ = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, None, view_1, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  reshape = l_w_ = None
         getitem: "f32[14]" = linear_ce_fwd_default[0]
         getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
         ne: "b8[14]" = view_1 != -100;  view_1 = None
@@ -237,7 +237,7 @@ class GraphModule(torch.nn.Module):
         view_1: "i64[14]" = l_y_.view(-1);  l_y_ = None
         reshape: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
         new_full: "f32[37]" = l_w_.new_full((37,), 5.0)
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, new_full, view_1, -100, 0.0, 0.7666666666666666, 11.5, 0.0);  reshape = l_w_ = new_full = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(reshape, l_w_, new_full, view_1, -100, 0.0, 0.7666666666666666, 11.5, 0.0, skip_ignored = True);  reshape = l_w_ = new_full = None
         getitem: "f32[14]" = linear_ce_fwd_default[0]
         getitem_1: "f32[14]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
         ne: "b8[14]" = view_1 != -100;  view_1 = None
@@ -290,7 +290,7 @@ class GraphModule(torch.nn.Module):
         getitem_1: "i64[5]" = t[slice(0, 5, None)]
         reshape: "f32[14, 16]" = l_x_.reshape([-1, 16])
         getitem_6: "f32[5, 16]" = reshape[slice(0, 5, None)];  reshape = None
-        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_6, l_w_, None, getitem_1, -100, 0.0, 1.0, None, 0.0);  getitem_6 = getitem_1 = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_6, l_w_, None, getitem_1, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  getitem_6 = getitem_1 = None
         getitem_7: "f32[5]" = linear_ce_fwd_default[0]
         getitem_8: "f32[5]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_8 = None
         sum_2: "f32[]" = getitem_7.sum();  getitem_7 = None
@@ -298,7 +298,7 @@ class GraphModule(torch.nn.Module):
         getitem_3: "i64[5]" = t[slice(5, 10, None)]
         reshape_1: "f32[14, 16]" = l_x_.reshape([-1, 16])
         getitem_9: "f32[5, 16]" = reshape_1[slice(5, 10, None)];  reshape_1 = None
-        linear_ce_fwd_default_1 = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_9, l_w_, None, getitem_3, -100, 0.0, 1.0, None, 0.0);  getitem_9 = getitem_3 = None
+        linear_ce_fwd_default_1 = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_9, l_w_, None, getitem_3, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  getitem_9 = getitem_3 = None
         getitem_10: "f32[5]" = linear_ce_fwd_default_1[0]
         getitem_11: "f32[5]" = linear_ce_fwd_default_1[1];  linear_ce_fwd_default_1 = getitem_11 = None
         sum_3: "f32[]" = getitem_10.sum();  getitem_10 = None
@@ -306,7 +306,7 @@ class GraphModule(torch.nn.Module):
         getitem_5: "i64[4]" = t[slice(10, 15, None)]
         reshape_2: "f32[14, 16]" = l_x_.reshape([-1, 16]);  l_x_ = None
         getitem_12: "f32[4, 16]" = reshape_2[slice(10, 15, None)];  reshape_2 = None
-        linear_ce_fwd_default_2 = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_12, l_w_, None, getitem_5, -100, 0.0, 1.0, None, 0.0);  getitem_12 = l_w_ = getitem_5 = None
+        linear_ce_fwd_default_2 = torch.ops.inductor_xent.linear_ce_fwd.default(getitem_12, l_w_, None, getitem_5, -100, 0.0, 1.0, None, 0.0, skip_ignored = True);  getitem_12 = l_w_ = getitem_5 = None
         getitem_13: "f32[4]" = linear_ce_fwd_default_2[0]
         getitem_14: "f32[4]" = linear_ce_fwd_default_2[1];  linear_ce_fwd_default_2 = getitem_14 = None
         sum_4: "f32[]" = getitem_13.sum();  getitem_13 = None
