@@ -204,7 +204,7 @@ def linear_log_probs(
         # eagerly through consuming_stored (e, m, st are dropped here: the backward may write dz
         # over e); compiled, DonatedScale does that where autograd donates e
         run = ops.LOGPROB_STORE if torch.compiler.is_compiling() else ops.consuming_stored
-        log_probs, ent, arg, *_ = run(*args, 0, budget)
+        log_probs, ent, arg, *_ = run(*args, 0, budget, True)  # skip_ignored: no lse read here
     else:
         log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args, True)  # skip_ignored: no lse read here
     shape = target.shape

@@ -61,15 +61,19 @@ Log-probabilities, strategy ``store`` (per-token incoming gradients: the gradien
 in the forward, so the forward keeps what the backward's dz needs instead of the logits):
 
 * ``inductor_xent::linear_logprob_store(hidden, weight, bias, target, ignore_index, logit_scale,
-  softcap, need_entropy, need_argmax, store_rows, budget) -> (log_probs, entropy, argmax, lse,
-  lse_lo, e, m, st)``: ``linear_logprob_fwd``'s outputs, plus for the first S rows (``store_rows``
-  when positive, else as many as ``budget`` holds: ``strategy.logprob_store_rows``, an expression
-  in a dynamic N) their exp-logits ``e`` (S, V; rows 64 elements apart; fp16 for 16-bit inputs), the
-  vocabulary tiles' maxima ``m`` (tiles, S) and the target's sech² ``st`` (S,) under a softcap;
-  not differentiable. The chunked path keeps nothing: (0, 0), (0, 0), (0,).
+  softcap, need_entropy, need_argmax, store_rows, budget, skip_ignored=False) -> (log_probs, entropy,
+  argmax, lse, lse_lo, e, m, st)``: ``linear_logprob_fwd``'s outputs, plus for the first S rows
+  (``store_rows`` when positive, else as many as ``budget`` holds: ``strategy.logprob_store_rows``,
+  an expression in a dynamic N) their exp-logits ``e`` (S, V; rows 64 elements apart; fp16 for
+  16-bit inputs), the vocabulary tiles' maxima ``m`` (tiles, S) and the target's sech² ``st`` (S,)
+  under a softcap; not differentiable. The chunked path keeps nothing: (0, 0), (0, 0), (0,).
+  ``skip_ignored`` as ``linear_logprob_fwd``'s; where the Triton kernels skip, the stored rows are
+  the first S *valid* rows (valid rows first, in row order: ``launch.store_skips``) and ``e``'s rows
+  past their count are never written; the autograd backward passes ``compacted``.
 * ``inductor_xent::linear_logprob_store_bwd(<linear_logprob_bwd's tensors>, e, m, st, <options>,
-  needs_hidden, needs_weight, needs_bias)``: the S stored rows' dz from ``e`` (two GEMMs), the
-  others' from recomputed logits (three).
+  needs_hidden, needs_weight, needs_bias, compacted=False)``: the S stored rows' dz from ``e`` (two
+  GEMMs), the others' from recomputed logits (three); ``compacted``: ``e`` came from a skipping
+  forward (the order is found again from the target).
 * ``inductor_xent::linear_logprob_store_bwd_(<the same>)`` may write over ``e`` (``e!``): the stored
   rows' dz goes there and their two GEMMs run over the whole vocabulary at once. The eager backward
   of ``consuming_stored`` (the functional API, which drops ``e``) calls it unless the graph is
@@ -522,7 +526,7 @@ def _lp_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse, _gra
                      extra=ctx.num_inputs - 9)
 
 
-def _lp_grads(ctx, op, saved, grad_log_probs, grad_entropy, grad_lse, stored=(), extra=0):
+def _lp_grads(ctx, op, saved, grad_log_probs, grad_entropy, grad_lse, stored=(), extra=0, tail=()):
     """The log-prob ops' autograd backward: ``op`` (LOGPROB_BACKWARD, or LOGPROB_STORE_BACKWARD with
     the ``stored`` tensors) on the saved (hidden, weight, bias, target, lse, lse_lo, entropy); the
     forward has ``extra`` more arguments than the recompute op's nine."""
@@ -537,7 +541,7 @@ def _lp_grads(ctx, op, saved, grad_log_probs, grad_entropy, grad_lse, stored=(),
         grad_entropy, entropy = None, None
     grad_h, grad_w, grad_b = op(
         grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, *stored,
-        *ctx.options, need_h, need_w, need_b,
+        *ctx.options, need_h, need_w, need_b, *tail,
     )
     return (
         grad_h if need_h else None,
@@ -567,14 +571,17 @@ def linear_logprob_store(
     need_argmax: bool,
     store_rows: int,
     budget: str,
+    skip_ignored: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     opts = _lp_opts(ignore_index, logit_scale, softcap)
     fallback.check_targets(target, weight.shape[0], ignore_index)  # on CPU only (no host sync)
     if not use_triton(hidden):  # the chunked path keeps nothing: its backward recomputes every row
-        return (*fallback.log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax),
+        return (*fallback.log_probs_forward(hidden, weight, bias, target, opts, need_entropy, need_argmax,
+                                            skip_ignored=skip_ignored),
                 *_stored_fakes(hidden, weight, softcap, 0))
     rows = strategy.logprob_store_rows(hidden.shape[0], weight.shape[0], hidden.dtype, budget, store_rows)
-    return _kernels(hidden).log_probs_store(hidden, weight, bias, target, opts, need_entropy, need_argmax, rows)
+    return _kernels(hidden).log_probs_store(hidden, weight, bias, target, opts, need_entropy, need_argmax, rows,
+                                            skip_ignored)
 
 
 def _stored_fakes(hidden: Tensor, weight: Tensor, softcap: Optional[float], rows) -> tuple[Tensor, Tensor, Tensor]:
@@ -588,7 +595,8 @@ def _stored_fakes(hidden: Tensor, weight: Tensor, softcap: Optional[float], rows
 
 
 @linear_logprob_store.register_fake
-def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax, store_rows, budget):
+def _(hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax, store_rows, budget,
+      skip_ignored=False):
     rows = strategy.logprob_store_rows(hidden.shape[0], weight.shape[0], hidden.dtype, budget, store_rows) \
         if use_triton(hidden) else 0
     return (*_lp_fakes(hidden, need_entropy, need_argmax), *_stored_fakes(hidden, weight, softcap, rows))
@@ -618,10 +626,11 @@ def _lp_store_bwd_op(in_place: bool):
         needs_hidden: bool,
         needs_weight: bool,
         needs_bias: bool,
+        compacted: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         return _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo,
                              entropy, e, m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight,
-                             needs_bias, in_place=in_place)
+                             needs_bias, in_place=in_place, compacted=compacted)
 
     op.__name__ = op.__qualname__ = "linear_logprob_store_bwd" + ("_" if in_place else "")
     return op
@@ -638,7 +647,8 @@ linear_logprob_store_bwd_ = torch.library.custom_op("inductor_xent::linear_logpr
 
 
 def _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e, m,
-                  st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias, in_place=False):
+                  st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias, in_place=False,
+                  compacted=False):
     if e.shape[0] == 0:  # nothing kept (the chunked path): every row recomputes
         return linear_logprob_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo,
                                   entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias)
@@ -647,11 +657,12 @@ def _lp_store_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, 
     needs = (needs_hidden, needs_weight, needs_bias and bias is not None)
     return _kernels(hidden).log_probs_store_backward(-grad_log_probs, grad_lse, hidden, weight, bias, target, lse,
                                                      lse_lo, opts, needs, grad_entropy=grad_entropy, entropy=entropy,
-                                                     e=e, m=m, st=st, in_place=in_place)
+                                                     e=e, m=m, st=st, in_place=in_place, compacted=compacted)
 
 
 def _lp_store_bwd_fake(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias, target, lse, lse_lo, entropy, e,
-                       m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias):
+                       m, st, ignore_index, logit_scale, softcap, needs_hidden, needs_weight, needs_bias,
+                       compacted=False):
     return _grad_fakes(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
 
 
@@ -672,9 +683,14 @@ def consuming_stored(*args) -> tuple[Tensor, ...]:
 
 
 def _lp_store_setup_context(ctx, inputs, output):
-    hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, *_ = inputs
+    hidden, weight, bias, target, ignore_index, logit_scale, softcap, need_entropy, need_argmax, *rest = inputs
     _, entropy, argmax, lse, lse_lo, e, m, st = output
     ctx.consumed = _OUTPUTS_CONSUMED.get()  # the caller dropped e, m, st
+    ctx.num_inputs = len(inputs)  # eleven, or twelve with skip_ignored
+    # e, m, st hold the valid rows first (launch.log_probs_store): the backward must know
+    skip_ignored = len(rest) > 2 and rest[2]
+    ctx.compacted = skip_ignored and use_triton(hidden) and _kernels(hidden).store_skips(True, need_argmax,
+                                                                                          hidden.dtype)
     ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st)
     ctx.mark_non_differentiable(argmax, lse_lo, e, m, st)
     ctx.set_materialize_grads(False)
@@ -688,7 +704,8 @@ def _lp_store_backward(ctx, grad_log_probs, grad_entropy, _grad_argmax, grad_lse
     in_place = ctx.consumed and _concrete(e) and use_triton(hidden) and not compat.graph_retained()
     op = LOGPROB_STORE_BACKWARD_ if in_place else LOGPROB_STORE_BACKWARD
     return _lp_grads(ctx, op, (hidden, weight, bias, target, lse, lse_lo, entropy),
-                     grad_log_probs, grad_entropy, grad_lse, stored=(e, m, st), extra=2)
+                     grad_log_probs, grad_entropy, grad_lse, stored=(e, m, st), extra=ctx.num_inputs - 9,
+                     tail=(True,) if ctx.compacted else ())
 
 
 linear_logprob_store.register_autograd(_lp_store_backward, setup_context=_lp_store_setup_context)

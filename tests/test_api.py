@@ -222,6 +222,54 @@ def test_log_probs_store_strategy_agrees_with_recompute(impl, monkeypatch):
     assert "linear_logprob_store" in type(node).__name__, type(node).__name__
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_log_probs_store_skips_ignored_rows(compiled, monkeypatch):
+    """(issue 24) linear_log_probs(strategy="store") on 16-bit inputs computes the valid rows alone,
+    forward and backward (the Triton kernels keep the valid rows' exp-logits first; eagerly the
+    backward writes dz over them, compiled it runs the out-of-place op): NaN in the ignored rows'
+    hidden states leaves the valid rows' log-probs, entropy and gradients those of the valid rows
+    alone, and the ignored rows' outputs and hidden gradient 0; the store forward ran on a count of
+    rows. With skipping off the forward computes those rows and the in-place backward walks them:
+    NaN spreads into the weight gradient."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    block = 128 if dev == "cuda" else 16  # whole row blocks of valid rows (rows_mm reads up to its K step)
+    g = torch.Generator().manual_seed(8)
+    h = torch.randn(3 * block, 16, generator=g).to(dev, torch.bfloat16)
+    w = torch.randn(97, 16, generator=g).to(dev, torch.bfloat16).requires_grad_()
+    y = torch.randint(0, 97, (3 * block,), generator=g).to(dev)
+    y[torch.arange(3 * block, device=dev) % 3 == 1] = -100
+    keep = y != -100
+    h[~keep] = float("nan")
+    h.requires_grad_()
+    ups = [torch.randn(3 * block, generator=g).to(dev) for _ in range(2)]
+    kw = dict(temperature=0.7, entropy=True, strategy="store", store_budget=2**30)
+    from inductor_xent.templates import launch
+
+    counted = []  # whether each store forward computed a count of rows (its recursive call, compacted)
+    store = launch.log_probs_store
+    monkeypatch.setattr(launch, "log_probs_store", lambda *a, **k: counted.append("count" in k) or store(*a, **k))
+
+    def run(hh, yy, ua, ub):
+        fn = lambda a, b: inductor_xent.linear_log_probs(a, b, yy, **kw)  # noqa: E731
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True) if compiled else fn
+        out = fn(hh, w)
+        return [out.log_probs, out.entropy, *torch.autograd.grad(
+            (out.log_probs * ua + out.entropy * ub).float().sum(), (hh, w))]
+
+    lp, ent, gh, gw = run(h, y, *ups)
+    assert counted == [False, True], counted
+    h_v = h.detach()[keep].requires_grad_()
+    lp_v, ent_v, gh_v, gw_v = run(h_v, y[keep], *(u[keep] for u in ups))
+    for ours, alone in ((lp, lp_v), (ent, ent_v), (gh, gh_v)):
+        torch.testing.assert_close(ours[keep], alone)
+        assert torch.equal(ours[~keep].abs(), torch.zeros_like(ours[~keep]))
+    torch.testing.assert_close(gw, gw_v)
+    if not compiled:  # (compiled: the out-of-place backward reads only rows with a gradient anyway)
+        monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+        assert run(h, y, *ups)[3].isnan().any()
+
+
 def test_eager_plans_as_compiled_does():
     """An eager call takes the strategy a compiled call of the same function takes: both plan
     without N. At N = 100, V = 500 the store chunk (100 rows of V padded to 512) is just over the

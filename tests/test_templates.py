@@ -820,6 +820,51 @@ def test_log_probs_store_never_reads_rows_without_gradient(monkeypatch):
     assert grads(h, t, *ups)[1].isnan().any()
 
 
+@pytest.mark.parametrize("store_rows, in_place", [(10**6, False), (10**6, True), (1, False), (1, True)])
+def test_log_probs_store_skips_ignored_rows(store_rows, in_place, monkeypatch):
+    """log_probs_store with ``skip_ignored``: the valid rows go first, the first S of them keep their
+    exp-logits and no kernel computes an ignored row; the backward finds the order again
+    (``compacted``). NaN in the ignored rows' hidden states leaves the outputs and gradients those of
+    the valid rows alone (the same rows kept): the same bits where every row is kept, within 1e-5
+    where the rows past S recompute (their vocabulary split follows their number). The ignored rows'
+    outputs and hidden gradient are 0. Skipping off puts their NaN into the lse: fails if they are
+    computed. e's and m's unwritten rows hold NaN: fails if the backward (the in-place one walks
+    every row it is given) reads a row past the count. The valid rows fill whole row blocks in each
+    part (kept, recomputed): past a count the GEMMs read rows up to the next K step, with a zero
+    gradient, which NaN would spoil."""
+    block = 128 if CUDA else 16  # rows_mm's and the forward's row block
+    n = 3 * block
+    store_rows = block if store_rows == 1 else store_rows  # one block of valid rows kept, one recomputed
+    h, w, b, t = make_inputs(n=n, bias=True, seed=35, dtype=torch.bfloat16)  # 16-bit: rows.compacts
+    t[:] = torch.randint(0, w.shape[0], (n,), generator=torch.Generator().manual_seed(36)).to(t.device)
+    t[torch.arange(n, device=t.device) % 3 == 0] = -100  # two blocks of valid rows
+    keep = t != -100
+    h = h.clone()
+    h[~keep] = float("nan")
+    o = _lp_opts(temperature=0.8, softcap=20.0)
+    g = torch.Generator().manual_seed(37)
+    ua, ub = (torch.randn(n, generator=g).to(DEVICE) for _ in range(2))
+    empty = launch.stored_empty  # e and m uninitialised: NaN here, so that reading an unwritten row shows
+    monkeypatch.setattr(launch, "stored_empty", lambda *a: tuple(x.fill_(float("nan")) for x in empty(*a)))
+
+    def run(hh, tt, ga, gb, skip):
+        lp, ent, _, lse, lse_lo, e, m, st = launch.log_probs_store(hh, w, b, tt, o, True, False, store_rows, skip)
+        grads = launch.log_probs_store_backward(
+            -ga, torch.zeros_like(ga), hh, w, b, tt, lse, lse_lo, o, (True, True, True), grad_entropy=gb, entropy=ent,
+            e=e, m=m, st=st, in_place=in_place, compacted=launch.store_skips(skip, False, hh.dtype))
+        return (lp, ent, lse), grads
+
+    (lp, ent, lse), (gh, gw, gb) = run(h, t, ua, ub, True)
+    (lp_v, ent_v, lse_v), (gh_v, gw_v, gb_v) = run(h[keep], t[keep], ua[keep], ub[keep], False)
+    same = torch.equal if store_rows >= n else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    for ours, alone in ((lp, lp_v), (ent, ent_v), (lse, lse_v), (gh, gh_v)):
+        assert same(ours[keep], alone)
+        assert torch.equal(ours[~keep].abs(), torch.zeros_like(ours[~keep]))
+    assert same(gw.float(), gw_v.float()) and same(gb.float(), gb_v.float())
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    assert run(h, t, ua, ub, True)[0][2].isnan().any()
+
+
 @pytest.mark.slow(s=32)
 def test_batch_invariant_forward(monkeypatch):
     """INDUCTOR_XENT_BATCH_INVARIANT=1 (issue 25): each row's log-prob, entropy, argmax and

@@ -170,10 +170,10 @@ def rewrite_shared(gm, plans: list, sink: list, how: strategy.GradientPlan, eras
     target = e.call(torch.cat, [o.target1d for o in operands], 0)
     op = ops.LOGPROB_STORE if how.strategy == "store" else ops.LOGPROB_FORWARD
     # the op skips the ignored rows (0 there), each site's cross-entropy is minus its rows' log-probs;
-    # no site reads an lse (_shared.groups): the recompute op need not compute the ignored rows at all
+    # no site reads an lse (_shared.groups): the op need not compute the ignored rows at all
     out = e.call(op, hidden, operands[0].weight, operands[0].bias, target, ii, scale, cap, False, False,
                  *((0, how.budget) if how.strategy == "store" else ()),
-                 **({} if how.strategy == "store" or ii == NO_IGNORE else {"skip_ignored": True}))
+                 **({} if ii == NO_IGNORE else {"skip_ignored": True}))
     rows = e.call(torch.split, e.getitem(out, 0), [e.method("size", o.hidden2d, 0) for o in operands])
     folded = [[] for _ in plans]
     for k, (plan, ops_k) in enumerate(zip(plans, operands)):

@@ -465,13 +465,29 @@ def log_probs_store(
     need_entropy: bool,
     need_argmax: bool,
     store_rows: int,  # S: the first S rows keep their exp-logits (0 <= S <= N)
+    skip_ignored: bool = False,  # nobody reads the ignored rows' lse: their logits are not computed
+    *,
+    count: Optional[Tensor] = None,  # (1,) int32: only the first count rows are computed (compacted)
 ) -> tuple[Tensor, ...]:
     """``log_probs_forward``'s five outputs, plus what the backward of the first ``store_rows`` rows
     needs instead of recomputing their logits: ``e`` (S, V) their exp-logits E = exp(z − m_tile) per
     vocabulary tile (``e_dtype``, rows padded: ``stored_empty``), ``m`` (tiles, S) the tile maxima and ``st``
     (S,) the target's sech² under a softcap (else (0,)). The first S rows run the store forward
     (store.lce_store_fwd_kernel, E written from the tile's exp: the GEMM and one [S, V] store in 16
-    bits), the other rows the forward kernel. 2·N·D·V FLOPs, as the recompute forward."""
+    bits), the other rows the forward kernel. 2·N·D·V FLOPs, as the recompute forward.
+    With ``skip_ignored`` where ``store_skips`` says so, the valid rows go first on the device, the
+    first S of them keep their exp-logits and neither kernel computes a row past their count; the
+    per-row outputs come back in row order (0 on the ignored rows), ``e``, ``m`` and ``st`` stay in
+    the valid-first order, which ``log_probs_store_backward(compacted=True)`` finds again."""
+    if store_skips(skip_ignored, need_argmax, hidden.dtype):
+        n = hidden.shape[0]
+        order, valid_count = rows.compact(target != opts.ignore_index)
+        out = log_probs_store(hidden.index_select(0, order), weight, bias, target.index_select(0, order), opts,
+                              need_entropy, False, store_rows, count=valid_count)
+        kept = torch.arange(n, device=hidden.device) < valid_count  # rows past the count: whatever was there
+        back = [torch.zeros_like(x).index_copy_(0, order, torch.where(kept, x, 0.0)) if x.numel() else x
+                for x in (*out[:2], *out[3:5])]
+        return back[0], back[1], out[2], back[2], back[3], *out[5:]
     n = hidden.shape[0]
     v = weight.shape[0]
     dev = hidden.device
@@ -487,15 +503,18 @@ def log_probs_store(
         sl = slice(lo, hi)
         extra = dict(entropy=entropy[sl] if need_entropy else None, argmax=argmax[sl] if need_argmax else None)
         outs = (loss[sl], lse[sl], lse_lo[sl])
+        # with a count (compacted rows) each part computes its rows below it only
+        part_count = None if count is None else (count - lo).clamp_(0, hi - lo).to(torch.int32)
         if keep:  # the stored rows: one split per vocabulary tile, E and the target's sech²
             cfg = configs.store_config(hidden.dtype)
             part = _forward_pass(hidden[sl], weight, bias, target[sl], opts, cfg, m.shape[0], 1, outs,
-                                 e=e, st=st if opts.softcap is not None else None, e_sech2=False, **extra)
+                                 e=e, st=st if opts.softcap is not None else None, e_sech2=False, count=part_count,
+                                 **extra)
             m.copy_(part[0])
         else:
             cfg = configs.forward_config(hidden.dtype)
             _forward_pass(hidden[sl], weight, bias, target[sl], opts, cfg, *_splits(cfg, hidden[sl], v), outs,
-                          **extra)
+                          count=part_count, **extra)
     return loss.neg_(), entropy, argmax, lse, lse_lo, e, m, st
 
 
@@ -517,13 +536,37 @@ def log_probs_store_backward(
     m: Tensor,  # (tiles, S)
     st: Tensor,  # (S,) or (0,)
     in_place: bool = False,  # e is dropped after this backward: dz may be written over it
+    compacted: bool = False,  # e holds the valid-first rows (log_probs_store's skip_ignored)
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The log-prob op's gradients with its first S = e.shape[0] rows' dz from their stored
     exp-logits (``backward`` with ``stored``: two GEMMs) and the other rows' from recomputed logits
     (``backward``: three). Where both parts run, the recomputed rows go first and the stored rows'
     weight and bias gradients are added into theirs (``add_to``: one [V, D] buffer; each sum
     rounded once, the rounding of two row chunks: strategy.py's rule). ``in_place``: the stored
-    rows' dz is written over ``e`` (``_stored_in_place``: two whole-vocabulary GEMMs, no chunks)."""
+    rows' dz is written over ``e`` (``_stored_in_place``: two whole-vocabulary GEMMs, no chunks).
+    ``compacted``: the forward put the valid rows first (the same stable order, found again from the
+    target here): every per-row input follows it, and grad_hidden goes back through it. e's rows past
+    the valid count were never written: the in-place backward stops at the count (``_stored_in_place``),
+    the chunked one reads only rows with an incoming gradient (``backward``'s compaction)."""
+    if compacted and e.shape[0] > 0:
+        order, count = rows.compact(target != opts.ignore_index)
+        pick = [None if x is None else x.index_select(0, order)
+                for x in (grad_loss, grad_lse, hidden, target, lse, lse_lo, grad_entropy, entropy)]
+        gl, gs, h, t, ls, ll, ge, en = pick
+        grads = _store_backward_parts(gl, gs, h, weight, bias, t, ls, ll, opts, needs, ge, en, (e, m, st), in_place,
+                                      count)
+        if needs[0]:
+            grads = (torch.empty_like(grads[0]).index_copy_(0, order, grads[0]), *grads[1:])
+        return grads
+    return _store_backward_parts(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs,
+                                 grad_entropy, entropy, (e, m, st), in_place, None)
+
+
+def _store_backward_parts(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs, grad_entropy,
+                          entropy, stored, in_place, count) -> tuple[Tensor, Tensor, Tensor]:
+    """``log_probs_store_backward`` in row order of ``e``: the recomputed rows, then the stored ones;
+    ``count`` the valid rows of a compacted ``e``."""
+    e, m, st = stored
     n, s = hidden.shape[0], e.shape[0]
     grads = None
     for lo, hi, kept in ((s, n, False), (0, s, True)):
@@ -535,7 +578,7 @@ def log_probs_store_backward(
         add_to = None if grads is None else grads[1:]
         if kept and in_place and hi > lo:
             part = _stored_in_place(grad_loss[sl], grad_lse[sl], hidden[sl], weight, bias, target[sl], lse[sl],
-                                    lse_lo[sl], opts, needs, (e, m, st), add_to, **ent)
+                                    lse_lo[sl], opts, needs, (e, m, st), add_to, count=count, **ent)
         else:
             part = backward(grad_loss[sl], grad_lse[sl], hidden[sl], weight, bias, target[sl], lse[sl], lse_lo[sl],
                             opts, needs, stored=(e, m, st) if kept else None, add_to=add_to, **ent)
@@ -544,8 +587,14 @@ def log_probs_store_backward(
     return grads
 
 
+def store_skips(skip_ignored: bool, need_argmax: bool, dtype: torch.dtype) -> bool:
+    """Whether ``log_probs_store`` with these arguments computes the valid rows alone (and keeps
+    them valid-first): asked to, no argmax (it needs every row), and rows the backward compacts."""
+    return skip_ignored and not need_argmax and rows.compacts(dtype)
+
+
 def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs, stored, add_to,
-                     *, grad_entropy, entropy) -> tuple[Tensor, Tensor, Tensor]:
+                     *, grad_entropy, entropy, count=None) -> tuple[Tensor, Tensor, Tensor]:
     """``backward`` with ``stored`` for a stored ``e`` nobody reads after this backward: dz of every
     stored row and column is written over e (the same element size: fp16 exp-logits become bf16 dz,
     fp32 stay fp32; each tile is read before it is written), then grad_hidden = dz @ W and
@@ -553,7 +602,10 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     result rounded once) instead of ``backward``'s vocabulary chunks adding into an fp32 [N, D]
     accumulator. Every row is walked: rows with no incoming gradient get a zero dz (no row
     compaction: a compacted dz could not overwrite its own rows). No memory beyond the gradients
-    and, with a bias, the [N/BLOCK_M, V] fp32 column partials."""
+    and, with a bias, the [N/BLOCK_M, V] fp32 column partials. With ``count`` (the forward compacted
+    the rows, valid first: e's rows past the count were never written) the dz kernel stops at the
+    count (zeros up to the next K step) and both GEMMs are rows_mm bounded by it: the other rows'
+    grad_hidden is 0."""
     e, m, st = stored
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
@@ -567,19 +619,35 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     grad_loss, grad_lse, target, lse, lse_lo = (t.contiguous() for t in (grad_loss, grad_lse, target, lse, lse_lo))
     if grad_entropy is not None:
         grad_entropy, entropy = grad_entropy.contiguous(), entropy.contiguous()
-    _stored_dz(stored, None, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias, None,
+    _stored_dz(stored, None, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias, count,
                v, 0, v, opts, cfg)
     dz = dz.to(hidden.dtype)
+    if count is not None:
+        precision = _input_precision(hidden.dtype)
+        grad_h = torch.zeros((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
+        grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
+        if need_h:
+            rows.rows_mm(grad_h, dz, weight, count, bound="m", input_precision=precision)
+        if need_w:
+            rows.rows_mm(grad_w, dz, hidden, count, bound="k", trans_a=True, accumulate=add_to is not None,
+                         input_precision=precision)
+        _bias_grad(grad_b, dbias, need_b, add_to)
+        return grad_h, grad_w, grad_b
     grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
     if need_h:
         _mm_into(grad_h, dz, weight, accumulate=False)
     grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
     if need_w:
         grad_weight_chunk(grad_w, dz, hidden, accumulate=add_to is not None)
+    _bias_grad(grad_b, dbias, need_b, add_to)
+    return grad_h, grad_w, grad_b
+
+
+def _bias_grad(grad_b, dbias, need_b, add_to) -> None:
+    """The bias gradient from the dz kernel's per-row-block column partials, added where ``add_to``."""
     if need_b:
         col = dbias.sum(dim=0)
         grad_b.copy_(grad_b.float() + col if add_to is not None else col)
-    return grad_h, grad_w, grad_b
 
 
 # ---------------------------------------------------------------------------------------------
