@@ -1,7 +1,7 @@
 """RL head benchmark: per-token log-probabilities and entropy of an lm_head at a sampling temperature.
 
     python -m inductor_xent bench rl [--shapes qwen2.5-7b] [--data gauss] [--methods ours,compile,...]
-        [--temperature 0.7] [--out DIR] [--quick] [--device cuda|cpu]
+        [--temperature 0.7] [--prompt 0.5] [--out DIR] [--quick] [--device cuda|cpu]
 
 The spelling timed is what verl / TRL / OpenRLHF compute from a model's logits::
 
@@ -13,7 +13,8 @@ Methods: ``cublas`` the GEMMs alone (one for the forward: the floor; three for f
 what keeping the logits costs); ``eager`` the spelling; ``compile`` it under torch.compile
 (Inductor); ``ours`` ``inductor_xent.linear_log_probs(..., temperature=T, entropy=...)`` (strategy
 auto: store, keeping the exp-logits, from D = 2048 up; issue 24), ``ours_recompute`` the same with
-``strategy="recompute"``;
+``strategy="recompute"``; ``ours_dense`` ``ours`` with ``INDUCTOR_XENT_SKIP_IGNORED=0`` around the
+forward call (with ``--prompt``: the forward computes the prompt rows; the A/B of issue 24's skipping);
 ``ours_compiled`` the spelling under ``torch.compile(backend="inductor_xent")``, timed only where
 the pass fused it (``inductor_xent.explain`` before, the pass counters on the compiling call);
 ``cce`` cut-cross-entropy's ``linear_cross_entropy(h / T, w, ids, reduction="none")`` negated (no
@@ -41,6 +42,13 @@ the same spelling with ≤ 25 % of its extra memory where the store strategy run
 ``ours_compiled``: issue 24), ≤ 5 % for ``ours_recompute`` (issue 10). All ids are real tokens (the RL spelling has no
 ignore_index: masks apply downstream), so make_data's ignored rows get a neighbour's id.
 
+``--prompt F``: the first F of each 1024-row sequence is a prompt (shapes.ignore_rows), as in an RL
+or GKD batch whose loss masks the prompt: every method gets a zero upstream gradient there, and the
+functional API methods (``ours``, ``ours_recompute``, ``ours_dense``) get those rows' ids as
+``ignore_index`` (-100), so that they need not compute them (log-probs and entropy 0 there); the
+others compute every row, as the spelling does. The log-prob and entropy errors are over the other
+rows.
+
 ``--device cpu`` is a dry run of the same code paths on tiny shapes (``--shapes 96x64x1031``):
 perf_counter medians, no memory figures; it checks the harness, not the speed.
 """
@@ -50,6 +58,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import signal
 import statistics
 import sys
@@ -63,10 +72,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_kernels as bk  # noqa: E402
-from shapes import DATA, IGNORE_INDEX, make_data, shape_of  # noqa: E402
+from shapes import DATA, IGNORE_INDEX, ignore_rows, make_data, shape_of  # noqa: E402
 
 # in the order they run: a step cut short by its timeout still has the main rows
-METHODS = ("cublas", "ours", "compile", "ours_recompute", "eager", "ours_compiled", "cce", "liger", "liger_cute")
+METHODS = ("cublas", "ours", "compile", "ours_recompute", "eager", "ours_compiled", "cce", "liger", "liger_cute",
+           "ours_dense")
+API_METHODS = ("ours", "ours_recompute", "ours_dense")  # given ignore_index on the prompt rows (--prompt)
 VARIANTS = ("fwd_lp", "fwd_lpe", "fwdbwd_lp", "fwdbwd_lpe")
 LABELS = {"fwd_lp": "fwd lp", "fwd_lpe": "fwd lp+ent", "fwdbwd_lp": "fwd+bwd lp", "fwdbwd_lpe": "fwd+bwd lp+ent"}
 NO_ENTROPY = {"cce": "cut-cross-entropy has no entropy", "liger": "Liger-Kernel 0.8.5's Triton path has no entropy"}
@@ -121,16 +132,25 @@ def build(name):
 
         return (torch.compile(_lp_xent, backend="inductor_xent", dynamic=False),
                 torch.compile(_lpe_xent, backend="inductor_xent", dynamic=False))
-    if name in ("ours", "ours_recompute"):
+    if name in API_METHODS:
         from inductor_xent import linear_log_probs
 
         strategy = "recompute" if name == "ours_recompute" else None  # ours: auto (store from D = 2048)
 
+        def call(h, w, ids, entropy):
+            if name != "ours_dense":
+                return linear_log_probs(h, w, ids, temperature=T, entropy=entropy, strategy=strategy)
+            os.environ["INDUCTOR_XENT_SKIP_IGNORED"] = "0"  # read at call time (config.skip_ignored_rows)
+            try:
+                return linear_log_probs(h, w, ids, temperature=T, entropy=entropy, strategy=strategy)
+            finally:
+                del os.environ["INDUCTOR_XENT_SKIP_IGNORED"]
+
         def lpe(h, w, ids):
-            out = linear_log_probs(h, w, ids, temperature=T, entropy=True, strategy=strategy)
+            out = call(h, w, ids, True)
             return out.log_probs, out.entropy
 
-        return lambda h, w, ids: linear_log_probs(h, w, ids, temperature=T, strategy=strategy).log_probs, lpe
+        return lambda h, w, ids: call(h, w, ids, False).log_probs, lpe
     if name == "cce":
         from cut_cross_entropy import linear_cross_entropy
 
@@ -250,12 +270,14 @@ def runner(fns, variant, h, w, ids, up):
     return run
 
 
-def errors(res, ref, variant):
+def errors(res, ref, variant, keep):
+    """Relative errors against the fp32 reference; log-probs and entropy over the ``keep`` rows (the
+    API methods' prompt rows are 0)."""
     lp, ent, gh, gw = res
     which = "lpe" if variant.endswith("lpe") else "lp"
-    err = {"err_lp": bk.rel_err(lp, ref["lp"])}
+    err = {"err_lp": bk.rel_err(lp[keep], ref["lp"][keep])}
     if ent is not None:
-        err["err_ent"] = bk.rel_err(ent, ref["ent"])
+        err["err_ent"] = bk.rel_err(ent[keep], ref["ent"][keep])
     if gh is not None:
         err["err_dh"] = bk.rel_err(gh, ref[f"dh_{which}"])
         err["err_dw"] = bk.rel_err(gw, ref[f"dw_{which}"])
@@ -300,7 +322,7 @@ def explain_spellings(h, w, ids):
     return verdict
 
 
-def measure(name, fns, h, w, ids, up, ref, rig):
+def measure(name, fns, h, w, ids, up, ref, rig, keep):
     """{variant: {ms, mib, err_*} or {status}} for one method."""
     declined = explain_spellings(h, w, ids) if name == "ours_compiled" else {}
     out = {}
@@ -322,7 +344,7 @@ def measure(name, fns, h, w, ids, up, ref, rig):
                     continue
             else:
                 res = run()  # compiles, if it does
-            row = errors(res, ref, variant)
+            row = errors(res, ref, variant, keep)
             del res
             res, mib = rig.peak(run)
             if mib is not None and grad:
@@ -366,6 +388,8 @@ def markdown(rows, info):
     lines = [
         f"{info['gpu']}, torch {info['torch']}, triton {info['triton']}, liger-kernel {info['liger_kernel']}, "
         f"cut-cross-entropy {info['cut_cross_entropy']}, {info['date']}; bf16, T = {info['temperature']}; "
+        + (f"prompt {info['prompt']:.0%} of each sequence (no upstream gradient; ignore_index for the API "
+           "methods); " if info.get("prompt") else "") +
         "median ms; extra MiB beyond the inputs and the gradients; errors vs the spelling in fp32 (TF32 off) "
         "of the lp+ent fwd+bwd (peers: lp fwd+bwd).",
         "",
@@ -510,6 +534,8 @@ def main(argv=None):
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--temperature", type=float, default=T)
     p.add_argument("--ref-rows", type=int, default=1024, help="rows per chunk of the fp32 reference")
+    p.add_argument("--prompt", type=float, default=0.0,
+                   help="fraction of each 1024-row sequence that is a prompt (no gradient; ignore_index for ours)")
     p.add_argument("--out", default="out")
     p.add_argument("--quick", action="store_true", help="fewer timed runs")
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
@@ -523,6 +549,8 @@ def main(argv=None):
         shapes = {name: shape_of(name) for name in args.shapes.split(",")}
     except ValueError as exc:
         p.error(str(exc))
+    if not 0.0 <= args.prompt < 1.0:
+        p.error(f"--prompt must be in [0, 1), got {args.prompt}")
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         p.error(f"--temperature must be a finite number > 0, got {args.temperature}")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -534,7 +562,8 @@ def main(argv=None):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     info = bk.env_info(args.device) | {"temperature": T, "liger_kernel": version("liger_kernel"),
-                                       "cut_cross_entropy": version("cut_cross_entropy"), "quick": args.quick}
+                                       "cut_cross_entropy": version("cut_cross_entropy"), "quick": args.quick,
+                                       "prompt": args.prompt}
     print(json.dumps(info), flush=True)
     rig, rows = Rig(args.device, args.quick), []
     # `timeout` ends a step with SIGTERM: leave through `finally`, which writes what was measured
@@ -544,6 +573,9 @@ def main(argv=None):
             for data in args.data.split(","):
                 h, w, ids = rl_data(shape, data, args.device)
                 up = upstream(shape.n, args.device)
+                keep = ignore_rows(ids, args.prompt) != IGNORE_INDEX
+                up = tuple(u * keep for u in up)  # the prompt rows' loss is masked: no gradient there
+                ids_api = torch.where(keep, ids, IGNORE_INDEX)  # ours: the prompt rows ignored
                 ref = reference(h, w, ids, up, args.ref_rows)
                 for method in methods:
                     row = {"shape": shape_name, "data": data, "method": method,
@@ -552,7 +584,8 @@ def main(argv=None):
                         if method == "cublas":
                             row["variants"] = measure_cublas(h, w, rig)
                         else:
-                            row["variants"] = measure(method, build(method), h, w, ids, up, ref, rig)
+                            row["variants"] = measure(method, build(method), h, w,
+                                                      ids_api if method in API_METHODS else ids, up, ref, rig, keep)
                     except Exception as exc:  # import or build failure: the row says so
                         row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]
                         traceback.print_exc(limit=2)
@@ -560,7 +593,7 @@ def main(argv=None):
                     rows.append(row)
                     report(rows, info, out)
                     rig.free()
-                del h, w, ids, up, ref
+                del h, w, ids, ids_api, up, ref
                 rig.free()
     finally:
         signal.signal(signal.SIGTERM, previous)

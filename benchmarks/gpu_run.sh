@@ -37,7 +37,8 @@
 #           (bench_batch_invariant.py), and 300 rows alone against inside the batch
 #   probe   scratch/bi_probe.py (or $PROBE) when present (an uncommitted experiment; carry "scratch")
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl;
-#           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile)
+#           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile; RL_PROMPT=F: F of each sequence a
+#           prompt without gradient, ignore_index for the API methods, e.g. RL_METHODS=compile,ours,ours_dense)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
 #           idle gaps
 #   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)
@@ -151,7 +152,7 @@ for step in ${STEPS//,/ }; do
         probe) timeout ${PROBE_S:-120} python3 ${PROBE:-scratch/bi_probe.py} 2>&1 | tee "$OUT/probe.log" | tail -60 ;;
         bicost) timeout ${BICOST_S:-150} python3 benchmarks/bench_batch_invariant.py --out "$OUT" 2>&1 \
                    | tee "$OUT/bicost.log" | tail -4 ;;
-        rl)    timeout ${RL_S:-150} python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b ${RL_METHODS:+--methods $RL_METHODS} --out "$OUT" 2>&1 \
+        rl)    timeout ${RL_S:-150} python3 benchmarks/bench_rl.py --quick --shapes qwen2.5-7b ${RL_METHODS:+--methods $RL_METHODS} ${RL_PROMPT:+--prompt $RL_PROMPT} --out "$OUT" 2>&1 \
                    | tee "$OUT/rl.log" | grep -E "^\||^target|Error|error:" ;;
         profile) timeout 150 $BENCH --profile --shapes llama3-8b --methods compile,ours_store,ours_compiled 2>&1 \
                    | tee "$OUT/profile.log" | grep -vE "^\s*$|^-" | cut -c1-150 | tail -70 ;;

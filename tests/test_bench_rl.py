@@ -86,3 +86,20 @@ def test_cpu_dry_run(tmp_path, capsys):
     assert [t["verdict"] for t in result["info"]["targets"]][1] == "n/a"  # no compile row to compare with
     pytest.importorskip("matplotlib")
     assert (tmp_path / "bench_rl.png").stat().st_size > 10_000
+
+
+def test_cpu_dry_run_with_a_prompt(tmp_path, capsys):
+    """``--prompt 0.5``: half of the (one, ragged) sequence is a prompt without upstream gradient and,
+    for the API methods, with ignore_index ids (their log-probs and entropy 0 there): their errors,
+    over the other rows and on the gradients, stay below eager's, which computes every row. Fails
+    if the prompt rows kept an upstream gradient (ours gives them none) or entered the value errors."""
+    argv = ["bench", "rl", "--device", "cpu", "--shapes", "40x24x517", "--methods", "eager,ours,ours_dense",
+            "--quick", "--ref-rows", "16", "--prompt", "0.5", "--out", str(tmp_path)]
+    assert cli.main(argv) == 0
+    assert "prompt 50% of each sequence" in capsys.readouterr().out
+    result = json.loads((tmp_path / "bench_rl.json").read_text())
+    assert result["info"]["prompt"] == 0.5
+    rows = {r["method"]: r["variants"]["fwdbwd_lpe"] for r in result["rows"]}
+    for method in ("ours", "ours_dense"):
+        for key in ("err_lp", "err_ent", "err_dh", "err_dw"):
+            assert rows[method][key] <= rows["eager"][key] < 5e-2, (method, key)
