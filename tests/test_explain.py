@@ -32,6 +32,43 @@ def test_fused_site_fields():
     assert report.bytes_avoided == site.bytes_avoided
 
 
+def _ce_plain(h, w, y):
+    return F.cross_entropy((h @ w.t()).float(), y)
+
+
+def _ce_z_loss(h, w, y):
+    z = (h @ w.t()).float()
+    return F.cross_entropy(z, y) + 1e-4 * (torch.logsumexp(z, -1) ** 2).mean()
+
+
+def _ce_returned(h, w, y):
+    z = (h @ w.t()).float()
+    return F.cross_entropy(z, y), z
+
+
+def _ce_no_ignore(h, w, y):
+    return F.cross_entropy((h @ w.t()).float(), y, ignore_index=-1)
+
+
+@pytest.mark.parametrize("fn, says", [
+    (_ce_plain, "ignored rows skipped in forward and backward"),
+    (_ce_z_loss, "ignored rows computed in the forward (a logsumexp of the graph reads theirs)"),
+    (_ce_returned, "ignored rows computed in the forward (the returned logits need them)"),
+    (_ce_no_ignore, "ignored rows skipped in forward and backward"),  # ignore_index=-1 is still one
+])
+def test_explain_says_what_happens_to_the_ignored_rows(fn, says):
+    """(issue 24) A fused cross-entropy's reason says whether its ignore_index rows' logits are
+    computed: skipped in both passes, or computed in the forward because a logsumexp of the graph or
+    the returned logits read them (the op's skip_ignored, _rewrite.rewrite)."""
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(24, 8, generator=g), torch.randn(37, 8, generator=g).requires_grad_()
+    y = torch.randint(0, 37, (24,), generator=g)
+    y[:5] = -100 if fn is not _ce_no_ignore else -1
+    (site,) = inductor_xent.explain(fn, h, w, y).sites
+    assert site.fused and says in site.reason, site.reason
+    assert site.reason.count("ignored rows") == 1
+
+
 def test_explain_unwraps_a_compiled_module():
     """explain(torch.compile(model)) explains the model itself, with our pass."""
     ins = make_inputs()

@@ -111,12 +111,26 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         plan.lse_users and f"{len(plan.lse_users)} logsumexp mapped onto the op's lse",
         plan.escapes and "logits still materialised for their other users (allow_escaping_logits)",
         plan.returned and "the returned logits written by the op (no second GEMM; their gradient only if used)",
+        _ignored_rows(plan, how),
         "strategy " + how.describe(),
     )
     return SiteReport(pattern, True, "fused: " + ", ".join(p for p in parts if p), node, heads, **sizes(chain),
                       bytes_avoided=bytes_avoided, logits_escape=plan.escapes_to_output,
                       logits_returned=bool(plan.returned), strategy=how.strategy, strategy_reason=how.describe(),
                       extra_bytes=how.extra_bytes if how.strategy == "store" else None)
+
+
+def _ignored_rows(plan: SitePlan, how: strategy.GradientPlan) -> str:
+    """What a cross-entropy op does with the ``ignore_index`` rows (issue 24): no logits for them in
+    either pass, or why its forward computes them (the backward skips every row without a gradient).
+    The log-probs op gets ids without an ignore_index (its masks apply downstream): every row."""
+    if plan.ignore_index == NO_IGNORE or plan.log_probs_op:
+        return ""
+    if plan.returned:
+        return "ignored rows computed in the forward (the returned logits need them)"
+    if how.strategy != "store" and plan.lse_users:
+        return "ignored rows computed in the forward (a logsumexp of the graph reads theirs)"
+    return "ignored rows skipped in forward and backward (CUDA: 16-bit inputs; CPU: any dtype)"
 
 
 def _stacked(chain: LogitsChain) -> bool:
