@@ -113,6 +113,27 @@ def test_opcheck_log_probs_store(impl, rows, softcap, need_entropy, need_argmax,
 
 
 @pytest.mark.parametrize("impl, rows", LP_STORE_CASES)
+def test_opcheck_log_probs_store_skipping_ignored_rows(impl, rows, monkeypatch):
+    """The store op with ``skip_ignored`` on 16-bit inputs (the Triton kernels then keep the valid rows
+    first): schema, fakes and autograd; its outputs are the recompute op's with skipping (0 on the
+    ignored rows), and its gradients, through the compacted backward, the recompute op's."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    h, w, _, y = _args(dtype=torch.bfloat16, bias=False, device=TRITON_DEVICE if impl == "triton" else "cpu")
+    args = (h, w, None, y, -100, 1.4, None, True, False, rows, "1x", True)
+    torch.library.opcheck(LP_STORE, args)
+    out, ref = LP_STORE(*args), LP_FWD(*args[:9], True)
+    for a, r in zip(out[:5], ref):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[0][y == -100], torch.zeros_like(out[0][y == -100]))
+    g = torch.Generator().manual_seed(2)
+    ups = [torch.randn(13, generator=g).to(h.device) for _ in range(2)]
+    got = torch.autograd.grad((out[0] * ups[0] + out[1] * ups[1]).sum(), (h, w))
+    want = torch.autograd.grad((ref[0] * ups[0] + ref[1] * ups[1]).sum(), (h, w))
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a.float(), r.float(), rtol=1e-2, atol=1e-2 * r.float().abs().max().item())
+
+
+@pytest.mark.parametrize("impl, rows", LP_STORE_CASES)
 @pytest.mark.parametrize("with_entropy", [False, True])
 @pytest.mark.parametrize("needs", [(True, True, True), (False, True, False)])
 def test_opcheck_log_probs_store_backward(impl, rows, with_entropy, needs, monkeypatch):
