@@ -135,16 +135,22 @@ def _valid_rows_pass(hidden, weight, bias, target, opts, cfg, outs, entropy=None
     (rows.compact), the row blocks past their count exit at once, and ``outs`` (and ``entropy``)
     receive the valid rows' values in row order, 0 on the ignored rows. The vocabulary split is
     the one of all N rows: a valid row's values are the bits of the dense pass."""
-    n = hidden.shape[0]
     order, count = rows.compact(target != opts.ignore_index)
     h, t = hidden.index_select(0, order), target.index_select(0, order)
     dest = (*outs, *(() if entropy is None else (entropy,)))
     tmp = [torch.empty_like(x) for x in dest]
     _forward_pass(h, weight, bias, t, opts, cfg, *_splits(cfg, hidden, weight.shape[0]), tuple(tmp[:3]),
                   entropy=None if entropy is None else tmp[3], count=count)
-    kept = torch.arange(n, device=hidden.device) < count  # the rows past the count hold whatever was there
-    for x, y in zip(dest, tmp):
-        x.zero_().index_copy_(0, order, torch.where(kept, y, 0.0))
+    for x, y in zip(dest, _in_row_order(tmp, order, count)):
+        x.copy_(y)
+
+
+def _in_row_order(values, order: Tensor, count: Tensor) -> list[Tensor]:
+    """Per-row values of compacted rows (row r is row ``order[r]``) back in row order, 0 on the rows
+    past ``count`` (whatever their memory held); empty tensors (an output not asked for) as they are."""
+    kept = torch.arange(order.shape[0], device=order.device) < count
+    return [torch.zeros_like(x).index_copy_(0, order, torch.where(kept, x, 0.0)) if x.numel() else x
+            for x in values]
 
 
 def log_probs_forward(
@@ -480,13 +486,10 @@ def log_probs_store(
     per-row outputs come back in row order (0 on the ignored rows), ``e``, ``m`` and ``st`` stay in
     the valid-first order, which ``log_probs_store_backward(compacted=True)`` finds again."""
     if store_skips(skip_ignored, need_argmax, hidden.dtype):
-        n = hidden.shape[0]
         order, valid_count = rows.compact(target != opts.ignore_index)
         out = log_probs_store(hidden.index_select(0, order), weight, bias, target.index_select(0, order), opts,
                               need_entropy, False, store_rows, count=valid_count)
-        kept = torch.arange(n, device=hidden.device) < valid_count  # rows past the count: whatever was there
-        back = [torch.zeros_like(x).index_copy_(0, order, torch.where(kept, x, 0.0)) if x.numel() else x
-                for x in (*out[:2], *out[3:5])]
+        back = _in_row_order((*out[:2], *out[3:5]), order, valid_count)
         return back[0], back[1], out[2], back[2], back[3], *out[5:]
     n = hidden.shape[0]
     v = weight.shape[0]
