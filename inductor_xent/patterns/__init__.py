@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 from .. import escape, logs
 from . import (
     _logits,
+    _masked,
     _plan,
     _report,
     _rewrite,
@@ -94,6 +95,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
         reported.update(h.loss for h in found.heads)
         if isinstance(found.outcome, SitePlan):  # rewrite (not guarded: a failure half way must not be swallowed)
             found.outcome.apart = apart.get(found.outcome.first.loss, "")
+            _row_mask(gm, found.outcome)
             how = _plan.gradients(found.outcome, strategy, store_budget)
             avoided = _rewrite.rewrite(gm, found.outcome, how, erased)
             site = _report.fused(found.pattern, found.node, found.kinds, found.outcome, how, avoided)
@@ -105,6 +107,21 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
         gm.recompile()
     logs.graph(log, gm, "after")
     return sites
+
+
+def _row_mask(gm: GraphModule, plan: SitePlan) -> None:
+    """The row masks of ``plan``'s values (``_masked.find``), or why none; pure, so a bug here only
+    leaves every row computed."""
+    try:
+        found = _masked.find(gm, plan)
+    except Exception as e:  # noqa: BLE001
+        log.warning("inductor_xent: internal error following %s's values; every row computed", plan.first.loss.name,
+                    exc_info=True)
+        found = f"internal error in the pass (please report): {e!r}"
+    if isinstance(found, str):
+        plan.row_mask_why = found
+    else:
+        plan.row_mask = found
 
 
 def _shared_heads(gm: GraphModule, candidates: dict, allow_escaping: bool, can_return: bool, strategy, budget,

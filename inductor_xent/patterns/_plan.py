@@ -25,7 +25,7 @@ from torch.fx import Node
 
 from .. import strategy
 from ..options import FLOAT_DTYPES
-from . import _dtensor, _logits, _mutation
+from . import _dtensor, _logits, _masked, _mutation
 from ._fx import arg, hint, is_call, numel_hint, same, tval
 from ._logits import LogitsChain
 from ._site import NO_IGNORE, Decline, Head, ids_base, lse_of
@@ -86,6 +86,9 @@ class SitePlan:
     siblings: list = field(default_factory=list)  # (Head, LogitsChain) over other row slices: their own sites
     shared: int = 0  # the sites one op serves together (this one among them): lm_head weight shared (_shared.py)
     apart: str = ""  # why this site keeps its own op next to others of its weight (_shared.groups)
+    # the row masks every use of the values passes (_masked.find; set right before the rewrite), or why none
+    row_mask: Optional[_masked.RowMask] = None
+    row_mask_why: str = ""
 
     @property
     def autocast(self) -> bool:

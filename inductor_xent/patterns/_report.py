@@ -123,7 +123,14 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
 def _ignored_rows(plan: SitePlan, how: strategy.GradientPlan) -> str:
     """What a cross-entropy op does with the ``ignore_index`` rows (issue 24): no logits for them in
     either pass, or why its forward computes them (the backward skips every row without a gradient).
-    The log-probs op gets ids without an ignore_index (its masks apply downstream): every row."""
+    A log-probs site's rows that every use's row mask zeroes (_masked.py) are skipped the same way;
+    where none is found, why."""
+    if plan.row_mask is not None:
+        return (f"masked rows skipped in forward and backward (every use of the values passes a row mask: "
+                f"{plan.row_mask.describe()}; CUDA: 16-bit inputs; CPU: any dtype)")
+    if plan.row_mask_why and plan.ignore_index == NO_IGNORE and any(
+            h.kind in ("log_probs", "entropy") for h, _ in plan.heads):
+        return f"every row computed ({plan.row_mask_why})"
     if plan.ignore_index == NO_IGNORE or plan.log_probs_op:
         return ""
     if plan.returned:

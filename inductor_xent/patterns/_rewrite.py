@@ -114,17 +114,24 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         site.loss.replace_all_uses_with(_cast_like(e, loss, site.loss))
         _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
+    mask = plan.row_mask  # the rows no gate lets through are skipped (_masked.py): NO_IGNORE ids there
+    if mask is not None:
+        for n in mask.hoist:  # (those the targets need too moved up already)
+            if n not in plan.hoist:
+                plan.anchor.prepend(n)
+    skip = {} if mask is None else {"skip_ignored": True}
     if plan.log_probs_op:
         kinds = {h.kind for h, _ in plan.heads}
         if target1d is None:  # entropy and argmax only: any class id
             ids = e.method("new_zeros", hidden2d, e.method("size", hidden2d, 0), dtype=torch.long)
         else:
             ids = target1d if ii == NO_IGNORE else e.call(torch.where, e.call(operator.eq, target1d, ii), 0, target1d)
+        ids = ids if mask is None else mask.masked_ids(e, ids)
         lp_args = (hidden2d, weight, bias, ids, NO_IGNORE, scale, cap, "entropy" in kinds, "argmax" in kinds)
         if how.strategy == "store":  # the exp-logits of as many rows as the budget holds, sized at run time
-            out = e.call(ops.LOGPROB_STORE, *lp_args, 0, how.budget)
+            out = e.call(ops.LOGPROB_STORE, *lp_args, 0, how.budget, **skip)
         else:
-            out = e.call(ops.LOGPROB_FORWARD, *lp_args)
+            out = e.call(ops.LOGPROB_FORWARD, *lp_args, **skip)
         item = functools.cache(lambda i: _dtensor.local(e, e.getitem(out, i)))
         lp = item(0)
         values = {**_log_prob_values(e, lp, target1d, ii),
@@ -132,12 +139,16 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         lse = item(3) if plan.lse_users else None
     else:
         # no logsumexp of the graph reads the op's lse: the ignored rows' logits need not exist
-        skip = {} if plan.lse_users or plan.returned or ii == NO_IGNORE else {"skip_ignored": True}
-        out = e.call(ops.FORWARD, hidden2d, weight, bias, target1d, ii, float(site.label_smoothing), scale, cap,
+        if mask is None and not (plan.lse_users or plan.returned or ii == NO_IGNORE):
+            skip = {"skip_ignored": True}
+        ids = target1d if mask is None else mask.masked_ids(e, target1d)
+        out = e.call(ops.FORWARD, hidden2d, weight, bias, ids, ii, float(site.label_smoothing), scale, cap,
                      0.0, *write, **skip)
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
         values = {"cross_entropy": (lambda: rows, 1), "log_probs": (lambda: rows, -1)}
     _place_heads(e, plan, values, ops_in, ii, folded)
+    if mask is not None:
+        mask.seal(graph)
 
     # logsumexps of the same logits (z-loss, or the idiom's own) read the op's lse
     # (shaped like the node each reads: the hidden states through the same views, less D)

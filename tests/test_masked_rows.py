@@ -1,0 +1,312 @@
+"""Row masks downstream of a log-probs site (patterns/_masked.py, issue 24): RL losses that mask their
+per-token terms after the head (TRL's GRPO, verl's masked_mean, where / masked_fill spellings) get an
+op that skips the rows every mask zeroes.
+
+Each skipping case is checked where a computed masked row would show: those rows' hidden states
+overflow any logit (eager's reference gets finite ones: its masked rows' terms are multiplied by 0), and the
+rollout's log-probs there are -89.5, so that a masked row's stand-in log-prob 0 overflows exp() in
+fp32 (eager's own, about -4, does not): loss and gradients must still be eager's. Then the sites
+whose values reach the output without a mask, which compute every row and say why.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import inductor_xent
+from inductor_xent import ops
+
+from .helpers import Recorder, counting
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+TEMP = 0.7
+B, S, D, V = 3, 11, 16, 53  # V prime: no tile divides it; 33 rows, 13 of them masked (one row all masked)
+OLD_MASKED = -89.5  # exp(0 - OLD_MASKED) is inf in fp32, exp(-4 - OLD_MASKED) is not
+
+
+def _problem(dtype=torch.float32, seed=0, bsz=B, device="cpu"):
+    """(h, W, ids, old, adv, mask): random hidden states and weight, sampled ids, the rollout's
+    log-probs, one advantage per sequence (negative: a masked row's overflow would win the
+    maximum), a completion mask with padding at the ends, row 1 all padding."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(bsz, S, D, generator=g, dtype=torch.float64).to(dtype)
+    w = (torch.randn(V, D, generator=g, dtype=torch.float64) * 0.3).to(dtype)
+    ids = torch.randint(0, V, (bsz, S), generator=g)
+    mask = torch.ones(bsz, S, dtype=torch.long)
+    mask[0, 7:] = 0
+    mask[1, :] = 0
+    mask[1, 2:5] = 1
+    mask[2, 9:] = 0
+    old = -torch.rand(bsz, S, generator=g, dtype=torch.float64) * 3 - 2
+    old[mask == 0] = OLD_MASKED
+    adv = -torch.rand(bsz, 1, generator=g, dtype=torch.float64) - 0.1
+    return tuple(x.to(device) for x in (h, w, ids, old.to(dtype), adv.to(dtype), mask))
+
+
+def _poison(h, rows):
+    """``h`` with its ``rows`` set to a quarter of the dtype's largest value: a row the op computes
+    overflows its logits (inf, then NaN), a row it skips is never read (a GEMM may multiply one by
+    the 0 of an alignment pad: 0, not NaN, as eager's ignored rows would be)."""
+    out = h.clone()
+    out[rows] = torch.finfo(h.dtype).max / 4
+    return out
+
+
+def _up(z):
+    """``z.float()`` as models upcast their logits, float64 kept: the float64 run is the reference."""
+    return z if z.dtype == torch.float64 else z.float()
+
+
+def _lp(h, w, ids):
+    """TRL's selective_log_softmax for fp32 logits: the gather minus the logsumexp."""
+    z = _up(h @ w.t()) / TEMP
+    return z.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, -1)
+
+
+def _pg(lp, old, adv):
+    ratio = torch.exp(lp - old)
+    return torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 0.8, 1.2))
+
+
+# ---------------------------------------------------------------------------------------------
+# skipped: name -> loss(h, w, ids, old, adv, mask)
+# ---------------------------------------------------------------------------------------------
+def _trl_grpo(h, w, ids, old, adv, mask):
+    """TRL's GRPO loss: the clipped ratio as TRL writes it (-torch.min of two products), a k3 KL to
+    the reference policy added after it, per sequence the masked sum over the mask's count, the mean."""
+    lp = _lp(h, w, ids)
+    coef_1 = torch.exp(lp - old)
+    coef_2 = torch.clamp(coef_1, 0.8, 1.2)
+    per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+    ref = old + 0.1  # the reference policy's log-probs
+    per_token = per_token + 0.04 * (torch.exp(ref - lp) - (ref - lp) - 1)
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+
+
+def _where_bool(h, w, ids, old, adv, mask):
+    """torch.where(mask, x, 0) of a boolean mask, a token-level mean."""
+    keep = mask.bool()
+    return torch.where(keep, _pg(_lp(h, w, ids), old, adv), 0.0).sum() / keep.sum()
+
+
+def _masked_fill(h, w, ids, old, adv, mask):
+    """x.masked_fill(~mask, 0), the mask cast inside the loss (after the head: moved before the op)."""
+    per_token = _pg(_lp(h, w, ids), old, adv)
+    return per_token.masked_fill(~mask.bool(), 0.0).sum() / mask.sum()
+
+
+def _verl_entropy_bonus(h, w, ids, old, adv, mask):
+    """verl's actor: log-probs and entropy of one log_softmax (one log-probs op), masked_mean of the
+    clipped surrogate minus an entropy bonus, the mask cast to the values' dtype."""
+    logp = (_up(F.linear(h, w)) / TEMP).log_softmax(-1)
+    lp = logp.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    m = mask.to(lp.dtype)
+    return (_pg(lp, old, adv) * m).sum() / m.sum() - 0.01 * (entropy * m).sum() / m.sum()
+
+
+def _per_token_advantages(h, w, ids, old, adv, mask):
+    """PPO with per-token advantages ([B, S]: a multiply by a tensor of the rows' shape is a gate
+    too, then the mask): a k3 KL penalty reads the log-probs outside the advantages' gate."""
+    lp = _lp(h, w, ids)
+    adv_tok = adv.expand_as(old)  # an input of the rows' shape
+    d = old - lp
+    per_token = _pg(lp, old, adv_tok) + 0.04 * (torch.exp(d) - d - 1)
+    return (per_token * mask).sum() / mask.sum()
+
+
+def _ignore_index_then_mask(h, w, ids, old, adv, mask):
+    """tests/rl.py's eager_log_probs: ``torch.where(ids != -100, picked, 0)`` (a gate of its own), then
+    the mask: a row is skipped where either zeroes it."""
+    valid = ids != -100
+    logp = (_up(F.linear(h, w)) / TEMP).log_softmax(-1)
+    lp = torch.where(valid, logp.gather(-1, torch.where(valid, ids, 0).unsqueeze(-1)).squeeze(-1), 0.0)
+    return (_pg(lp, old, adv) * mask).sum() / mask.sum()
+
+
+SKIPPED = {f.__name__.lstrip("_"): f for f in (_trl_grpo, _where_bool, _masked_fill, _verl_entropy_bonus,
+                                               _per_token_advantages, _ignore_index_then_mask)}
+
+
+def _op_calls(gm) -> list:
+    return [n for n in gm.graph.nodes if n.target in (ops.FORWARD, ops.LOGPROB_FORWARD, ops.LOGPROB_STORE)]
+
+
+def _grads(fn, h, w, args):
+    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss = fn(h, w, *args)
+    return [loss.detach(), *torch.autograd.grad(loss, (h, w))]
+
+
+@pytest.mark.parametrize("name", sorted(SKIPPED))
+def test_masked_rows_skipped(name):
+    """One op call that skips the masked rows (its ids NO_IGNORE there, skip_ignored), explain says
+    so; loss and gradients as eager's with the masked rows' hidden states poisoned."""
+    fn = SKIPPED[name]
+    h, w, ids, old, adv, mask = _problem()
+    skipped = mask == 0
+    if name == "ignore_index_then_mask":  # two rows the mask keeps, ignored by their ids
+        ids[2, :2] = -100
+        skipped |= ids == -100
+    rec = Recorder()
+    poisoned = _poison(h, skipped)
+    ours = _grads(torch.compile(fn, backend=rec), poisoned, w, (ids, old, adv, mask))
+    (op,) = _op_calls(rec.graphs[0])
+    assert op.kwargs.get("skip_ignored") is True, op.format_node()
+    want = _grads(fn, h, w, (ids, old, adv, mask))
+    assert torch.isfinite(want[0]), "eager's loss is finite on the finite problem"
+    for a, b, what in zip(ours, want, ("loss", "grad_hidden", "grad_weight")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+    assert torch.equal(ours[1][skipped], torch.zeros_like(ours[1][skipped])), "no gradient on skipped rows"
+    (site,) = inductor_xent.explain(fn, h, w, ids, old, adv, mask).sites
+    assert site.fused and "masked rows skipped in forward and backward" in site.reason, site.reason
+    assert "`mask`" in site.reason, site.reason
+
+
+def _check_within_torch_error(fn, problem, backend, autocast=None, floor=1e-6):
+    """``fn`` compiled with ``backend`` on ``problem`` with the masked rows' hidden states poisoned:
+    loss and gradients within 4x eager's (same dtype, same autocast) error against float64 eager."""
+    h, w, ids, old, adv, mask = problem
+    if autocast is not None:  # what autocast hands the matmul, exactly: float64 eager computes from the same
+        h, w = h.to(autocast).to(h.dtype), w.to(autocast).to(w.dtype)
+    poisoned = _poison(h, mask == 0)
+    device = h.device.type
+
+    def grads(f, hh, ww, args):
+        with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            return _grads(f, hh, ww, args)
+
+    ours = grads(torch.compile(fn, backend=backend), poisoned, w, (ids, old, adv, mask))
+    want = grads(fn, h, w, (ids, old, adv, mask))
+    exact = _grads(fn, h.double(), w.double(), (ids, old.double(), adv.double(), mask))
+    assert counters["inductor_xent"]["sites_fused"] == 1
+    for a, b, x, what in zip(ours, want, exact, ("loss", "grad_hidden", "grad_weight")):
+        assert a.dtype == b.dtype, what
+        err, torch_err = (a.double() - x).abs().max().item(), (b.double() - x).abs().max().item()
+        assert err <= 4 * torch_err + floor, (what, err, torch_err)
+
+
+@pytest.mark.parametrize("dtype,impl", [
+    (torch.float64, "chunked"),  # the CPU chunks walk the valid rows only
+    (torch.bfloat16, "chunked"),
+    pytest.param(torch.bfloat16, "triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason=(
+        "CPU tensors run the Triton kernels only interpreted; on a GPU test_masked_rows_cuda runs them"))),
+])
+def test_masked_rows_skipped_other_dtypes(dtype, impl, monkeypatch):
+    """float64 and bfloat16; bfloat16 also through the Triton kernels (interpreted), which compact
+    the valid rows first on the device: the log-probs op with the entropy, eager's loss and
+    gradients within its own rounding."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    _check_within_torch_error(_verl_entropy_bonus, _problem(dtype), "inductor_xent",
+                              floor=1e-12 if dtype == torch.float64 else 1e-6)
+
+
+def test_masked_rows_skipped_under_autocast():
+    """fp32 parameters under torch.autocast("cpu", bfloat16), as HF Trainer's bf16=True runs them: the
+    op gets bf16 operands and skips the masked rows; eager autocast's numbers within its error."""
+    _check_within_torch_error(_trl_grpo, _problem(), "inductor_xent", autocast=torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")
+@pytest.mark.parametrize("name", ["trl_grpo", "verl_entropy_bonus"])
+def test_masked_rows_cuda(name):
+    """On the GPU under autocast (bf16 operands: the compacted Triton kernels), through Inductor:
+    the masked rows poisoned, eager autocast's loss and gradients within its error."""
+    problem = _problem(torch.float32, device="cuda")
+    rec = Recorder(**{"xent.inner": "inductor"})
+    _check_within_torch_error(SKIPPED[name], problem, rec, autocast=torch.bfloat16)
+    (op,) = _op_calls(rec.graphs[0])
+    assert op.kwargs.get("skip_ignored") is True
+
+
+def test_masked_rows_dynamic_batch():
+    """Automatic dynamic over three batch sizes: the static graph, then one dynamic graph (the mask's
+    shape compared with the values' without a guard), both skipping, eager's values."""
+    rec = Recorder()
+    backend = counting(rec)
+    f = torch.compile(_trl_grpo, backend=backend)
+    for bsz in (3, 4, 5):
+        h, w, ids, old, adv, mask = _problem(seed=bsz, bsz=bsz)
+        torch.testing.assert_close(f(h, w, ids, old, adv, mask), _trl_grpo(h, w, ids, old, adv, mask))
+    assert backend.frame_count == 2 and counters["inductor_xent"]["sites_fused"] == 2
+    assert [op.kwargs.get("skip_ignored") for g in rec.graphs for op in _op_calls(g)] == [True, True]
+
+
+def test_skip_ignored_off_applies_no_mask(monkeypatch):
+    """INDUCTOR_XENT_SKIP_IGNORED=0: every row computed (eager's semantics to the last NaN), and the
+    reason says why."""
+    monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
+    h, w, ids, old, adv, mask = _problem()
+    rec = Recorder()
+    ours = _grads(torch.compile(_trl_grpo, backend=rec), h, w, (ids, old, adv, mask))
+    (op,) = _op_calls(rec.graphs[0])
+    assert "skip_ignored" not in op.kwargs
+    for a, b in zip(ours, _grads(_trl_grpo, h, w, (ids, old, adv, mask))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    (site,) = inductor_xent.explain(_trl_grpo, h, w, ids, old, adv, mask).sites
+    assert "every row computed (INDUCTOR_XENT_SKIP_IGNORED=0)" in site.reason, site.reason
+
+
+# ---------------------------------------------------------------------------------------------
+# every row computed: name -> (fn, what explain's reason says)
+# ---------------------------------------------------------------------------------------------
+def _returned(h, w, ids, old, adv, mask):
+    lp = _lp(h, w, ids)
+    return (_pg(lp, old, adv) * mask).sum() / mask.sum(), lp
+
+
+def _unmasked_mean(h, w, ids, old, adv, mask):
+    return _pg(_lp(h, w, ids), old, adv).mean()
+
+
+def _mask_per_sequence(h, w, ids, old, adv, mask):
+    """A [B, 1] mask broadcast over the tokens: not the rows' shape, no gate."""
+    return (_pg(_lp(h, w, ids), old, adv) * mask[:, :1]).sum()
+
+
+def _argmax_accuracy(h, w, ids, old, adv, mask):
+    z = _up(h @ w.t()) / TEMP
+    lp = z.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    acc = ((z.argmax(-1) == ids) & mask.bool()).sum()
+    return (_pg(lp, old, adv) * mask).sum() / mask.sum(), acc
+
+
+def _mask_from_values(h, w, ids, old, adv, mask):
+    """A "mask" computed from the log-probs themselves gates nothing."""
+    lp = _lp(h, w, ids)
+    return (lp * (lp > -4).float()).sum()
+
+
+COMPUTED = {
+    "returned": (_returned, "the values are returned by the compiled function"),
+    "unmasked_mean": (_unmasked_mean, "reads the values before a row mask"),
+    "mask_per_sequence": (_mask_per_sequence, "reads the values before a row mask"),
+    "argmax_accuracy": (_argmax_accuracy, "an argmax head needs every row"),
+    "mask_from_values": (_mask_from_values, "reads the values before a row mask"),
+    # a learned weight's gradient on a skipped row would be made of the stand-in log-prob
+    "advantages_require_grad": (_trl_grpo, "which requires grad"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(COMPUTED))
+def test_rows_without_a_mask_computed(name):
+    """Fused, every row computed (no skip_ignored), explain says why; eager's values."""
+    fn, why = COMPUTED[name]
+    h, w, ids, old, adv, mask = _problem()
+    if name == "advantages_require_grad":
+        adv.requires_grad_()
+    old = old.clamp(min=-5.0)  # no row is masked for the op: eager's finite terms everywhere
+    rec = Recorder()
+    ours = torch.compile(fn, backend=rec)(h, w, ids, old, adv, mask)
+    (op,) = _op_calls(rec.graphs[0])
+    assert "skip_ignored" not in op.kwargs, op.format_node()
+    want = fn(h, w, ids, old, adv, mask)
+    for a, b in zip(ours if isinstance(ours, tuple) else (ours,), want if isinstance(want, tuple) else (want,)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    (site,) = inductor_xent.explain(fn, h, w, ids, old, adv, mask).sites
+    assert site.fused and "every row computed (" in site.reason and why in site.reason, site.reason
