@@ -17,6 +17,10 @@ auto: store, keeping the exp-logits, from D = 2048 up; issue 24), ``ours_recompu
 forward call (with ``--prompt``: the forward computes the prompt rows; the A/B of issue 24's skipping);
 ``ours_compiled`` the spelling under ``torch.compile(backend="inductor_xent")``, timed only where
 the pass fused it (``inductor_xent.explain`` before, the pass counters on the compiling call);
+``ours_masked`` the spelling with its outputs multiplied by the rows' mask (``log_probs * keep``,
+``entropy * keep``: a loss's masking, with ``--prompt`` the prompt rows 0) under
+``torch.compile(backend="inductor_xent")``: the pass finds that every use passes the mask and skips
+the masked rows (patterns/_masked.py), with no ignore_index anywhere (issue 24's RL pass sites);
 ``cce`` cut-cross-entropy's ``linear_cross_entropy(h / T, w, ids, reduction="none")`` negated (no
 temperature argument: the hidden states are divided by T in bf16, one more rounding; no entropy);
 ``liger`` Liger-Kernel's ``_ChunkedSelectiveLogProbFunction`` (the log-prob head inside its
@@ -76,7 +80,8 @@ from shapes import DATA, IGNORE_INDEX, ignore_rows, make_data, shape_of  # noqa:
 
 # in the order they run: a step cut short by its timeout still has the main rows
 METHODS = ("cublas", "ours", "compile", "ours_recompute", "eager", "ours_compiled", "cce", "liger", "liger_cute",
-           "ours_dense")
+           "ours_dense", "ours_masked")
+COMPILED_OURS = ("ours_compiled", "ours_masked")  # timed only where the pass fused (fused_call)
 API_METHODS = ("ours", "ours_recompute", "ours_dense")  # given ignore_index on the prompt rows (--prompt)
 VARIANTS = ("fwd_lp", "fwd_lpe", "fwdbwd_lp", "fwdbwd_lpe")
 LABELS = {"fwd_lp": "fwd lp", "fwd_lpe": "fwd lp+ent", "fwdbwd_lp": "fwd+bwd lp", "fwdbwd_lpe": "fwd+bwd lp+ent"}
@@ -85,7 +90,7 @@ FWD_VS_CUBLAS = 1.10  # targets: log-probs forward / cuBLAS logits GEMM
 BWD_VS_COMPILE = 1.0  # lp+ent fwd+bwd / torch.compile's time
 # extra memory / torch.compile's: issue 10's 5 % for the recompute strategy; issue 24's 25 % where the
 # log-prob op's store keeps the exp-logits (ours and ours_compiled: auto takes store from D = 2048 up)
-MEM_VS_COMPILE = {"ours": 0.25, "ours_compiled": 0.25, "ours_recompute": 0.05}
+MEM_VS_COMPILE = {"ours": 0.25, "ours_compiled": 0.25, "ours_masked": 0.25, "ours_recompute": 0.05}
 T = 0.7  # the sampling temperature of the spelling; --temperature sets it before anything is compiled
 MiB = bk.MiB
 
@@ -120,9 +125,24 @@ def _lpe_xent(h, w, ids):
     return log_probs_entropy(h, w, ids)
 
 
-def build(name):
+def _lp_masked(h, w, ids, keep):
+    return log_probs(h, w, ids) * keep
+
+
+def _lpe_masked(h, w, ids, keep):
+    lp, ent = log_probs_entropy(h, w, ids)
+    return lp * keep, ent * keep
+
+
+def build(name, keep=None):
     """(log-probs fn, log-probs+entropy fn or None) of a method; compiled ones with dynamic=False
-    (one graph per shape and grad mode, as an RL step reuses them)."""
+    (one graph per shape and grad mode, as an RL step reuses them). ``keep``: the rows' mask
+    (``ours_masked``)."""
+    if name == "ours_masked":
+        import inductor_xent  # noqa: F401  (registers the backend from a source tree)
+
+        lp, lpe = (torch.compile(f, backend="inductor_xent", dynamic=False) for f in (_lp_masked, _lpe_masked))
+        return lambda h, w, ids: lp(h, w, ids, keep), lambda h, w, ids: lpe(h, w, ids, keep)
     if name == "eager":
         return log_probs, log_probs_entropy
     if name == "compile":
@@ -337,7 +357,7 @@ def measure(name, fns, h, w, ids, up, ref, rig, keep):
             continue
         grad = variant.startswith("fwdbwd")
         try:
-            if name == "ours_compiled":
+            if name in COMPILED_OURS:
                 res, why = fused_call(run)
                 if why:
                     out[variant] = {"status": why}
@@ -423,7 +443,8 @@ def _get(rows, shape, data, method, variant, key):
 
 
 def targets(rows):
-    """The issues' two targets per shape and data set, for ``ours``, ``ours_recompute`` and ``ours_compiled``:
+    """The issues' two targets per shape and data set, for ``ours``, ``ours_recompute``, ``ours_compiled`` and
+    ``ours_masked``:
     [{"shape", "data", "method", "target", "verdict": met | missed | n/a, "detail"}]."""
     out = []
     for shape, data in dict.fromkeys((r["shape"], r["data"]) for r in rows):
@@ -584,7 +605,7 @@ def main(argv=None):
                         if method == "cublas":
                             row["variants"] = measure_cublas(h, w, rig)
                         else:
-                            row["variants"] = measure(method, build(method), h, w,
+                            row["variants"] = measure(method, build(method, keep), h, w,
                                                       ids_api if method in API_METHODS else ids, up, ref, rig, keep)
                     except Exception as exc:  # import or build failure: the row says so
                         row["error"] = f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300]

@@ -93,13 +93,13 @@ def test_cpu_dry_run_with_a_prompt(tmp_path, capsys):
     for the API methods, with ignore_index ids (their log-probs and entropy 0 there): their errors,
     over the other rows and on the gradients, stay below eager's, which computes every row. Fails
     if the prompt rows kept an upstream gradient (ours gives them none) or entered the value errors."""
-    argv = ["bench", "rl", "--device", "cpu", "--shapes", "40x24x517", "--methods", "eager,ours,ours_dense",
+    argv = ["bench", "rl", "--device", "cpu", "--shapes", "40x24x517", "--methods", "eager,ours,ours_dense,ours_masked",
             "--quick", "--ref-rows", "16", "--prompt", "0.5", "--out", str(tmp_path)]
     assert cli.main(argv) == 0
     assert "prompt 50% of each sequence" in capsys.readouterr().out
     result = json.loads((tmp_path / "bench_rl.json").read_text())
     assert result["info"]["prompt"] == 0.5
     rows = {r["method"]: r["variants"]["fwdbwd_lpe"] for r in result["rows"]}
-    for method in ("ours", "ours_dense"):
+    for method in ("ours", "ours_dense", "ours_masked"):  # ours_masked: the pass, the prompt rows masked after it
         for key in ("err_lp", "err_ent", "err_dh", "err_dw"):
             assert rows[method][key] <= rows["eager"][key] < 5e-2, (method, key)
