@@ -128,8 +128,24 @@ def _ignore_index_then_mask(h, w, ids, old, adv, mask):
     return (_pg(lp, old, adv) * mask).sum() / mask.sum()
 
 
+def _clip_fraction(h, w, ids, old, adv, mask):
+    """The loss and a logged metric as verl and TRL compute it, ``&`` with a boolean mask a gate too:
+    the fraction of the kept tokens whose ratio was clipped."""
+    lp = _lp(h, w, ids)
+    ratio = torch.exp(lp - old)
+    clipped = ((ratio > 1.2) | (ratio < 0.8)) & mask.bool()
+    return (_pg(lp, old, adv) * mask).sum() / mask.sum() + 0 * clipped.sum() / mask.sum()
+
+
+def _where_not_keyword(h, w, ids, old, adv, mask):
+    """torch.where(torch.logical_not(input=pad), x, 0): a keyword argument in the mask's spelling."""
+    pad = mask == 0
+    return torch.where(torch.logical_not(input=pad), _pg(_lp(h, w, ids), old, adv), 0.0).sum()
+
+
 SKIPPED = {f.__name__.lstrip("_"): f for f in (_trl_grpo, _where_bool, _masked_fill, _verl_entropy_bonus,
-                                               _per_token_advantages, _ignore_index_then_mask)}
+                                               _per_token_advantages, _ignore_index_then_mask, _clip_fraction,
+                                               _where_not_keyword)}
 
 
 def _op_calls(gm) -> list:
@@ -164,7 +180,7 @@ def test_masked_rows_skipped(name):
     assert torch.equal(ours[1][skipped], torch.zeros_like(ours[1][skipped])), "no gradient on skipped rows"
     (site,) = inductor_xent.explain(fn, h, w, ids, old, adv, mask).sites
     assert site.fused and "masked rows skipped in forward and backward" in site.reason, site.reason
-    assert "`mask`" in site.reason, site.reason
+    assert "`mask`" in site.reason or "`~pad`" in site.reason, site.reason
 
 
 def _check_within_torch_error(fn, problem, backend, autocast=None, floor=1e-6):
@@ -282,7 +298,44 @@ def _mask_from_values(h, w, ids, old, adv, mask):
     return (lp * (lp > -4).float()).sum()
 
 
+def _mask_under_no_grad(h, w, ids, old, adv, mask):
+    """Per-token weights computed after the head under no_grad: moving them before the op would take
+    them out of the no_grad block (they would get a gradient)."""
+    lp = _lp(h, w, ids)
+    with torch.no_grad():
+        weight = torch.sigmoid(h.sum(-1)) * mask
+    return -(lp * weight).sum() / mask.sum()
+
+
+def _mask_after_autocast(h, w, ids, old, adv, mask):
+    """An fp32 mask computed after an autocast block that holds the head: moved before the op, it would
+    be computed in bf16."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp = _lp(h, w, ids)
+    weight = torch.nn.functional.linear(h, w[:1]).squeeze(-1) * mask
+    return (torch.exp(lp - lp.detach()) * weight).sum()
+
+
+def _integer_division(h, w, ids, old, adv, mask):
+    """An integer division of the values before the mask: a skipped row's stand-in 0 would raise."""
+    lp = _lp(h, w, ids)
+    k = (lp * 1e6).to(torch.long)
+    q = torch.div(torch.full_like(k, 1000), k, rounding_mode="floor")
+    return (lp * mask).sum() + (q * mask).sum()
+
+
+def _dtype_view(h, w, ids, old, adv, mask):
+    """lp.view(torch.int16): two elements per row, not a row-major view of the rows."""
+    lp = _lp(h, w, ids)
+    bits = torch.where(torch.cat([mask, mask], -1).bool(), lp.view(torch.int16), 0)
+    return (lp * mask).sum() + bits.sum() * 0
+
+
 COMPUTED = {
+    "mask_under_no_grad": (_mask_under_no_grad, "a grad-mode or autocast switch"),
+    "mask_after_autocast": (_mask_after_autocast, "a grad-mode or autocast switch"),
+    "integer_division": (_integer_division, "reads the values before a row mask"),
+    "dtype_view": (_dtype_view, "reads the values before a row mask"),
     "returned": (_returned, "the values are returned by the compiled function"),
     "unmasked_mean": (_unmasked_mean, "reads the values before a row mask"),
     "mask_per_sequence": (_mask_per_sequence, "reads the values before a row mask"),

@@ -17,8 +17,10 @@ A gate ``x * mask`` is eager's 0 on those rows only where eager's ``x`` is finit
 stand-in values (log-prob 0, entropy 0) may make ``x`` overflow where eager's did not (``exp(0 −
 old)`` with ``old < −88``), so the rewrite makes each multiply gate ``(x * mask).masked_fill(mask ==
 0, 0)``: eager's value wherever eager's is finite. Where eager's term of a masked row is inf or NaN
-(NaN hidden states in the padding, say), eager's loss is NaN and ours is the loss without that row:
-the one difference, and ``INDUCTOR_XENT_SKIP_IGNORED=0`` keeps eager's (no mask is applied then).
+(NaN hidden states in the padding, say), eager's loss is NaN and ours is the loss without that row;
+and a masked row's zero may have the other sign (eager's ``lp * 0`` is −0.0, ours +0.0), which only
+sign-sensitive math (``atan2``, ``1 / x``) can see. ``INDUCTOR_XENT_SKIP_IGNORED=0`` keeps eager's
+(no mask is applied then).
 The backward never reads a skipped row's incoming gradient (the kernels and chunks mask it by the
 target), so a NaN made there by the stand-in values goes nowhere.
 """
@@ -64,6 +66,10 @@ SHAPE_READS_OF_OTHER = ("expand_as", "type_as", "view_as", "reshape_as")
 # with a dim they reduce
 MIN_MAX = (torch.min, torch.max, "min", "max")
 MULTIPLY = (operator.mul, torch.mul, "mul")
+DIVIDE = (operator.truediv, torch.div, "div")
+# calls whose results depend on the random generator's state: not moved before the op
+RANDOM_WORDS = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout", "exponential", "poisson",
+                "cauchy", "geometric", "log_normal")
 AND = (operator.and_, torch.logical_and, "logical_and")
 WHERE = (torch.where,)
 MASKED_FILL = (torch.masked_fill, "masked_fill")
@@ -193,7 +199,7 @@ def find(gm, plan) -> Union[RowMask, str]:
         return why or "no use of the values passes a row mask"
     keys = {k for c in skip for k in c}
     used = sorted((g for g in gates.values() if g.key in keys), key=lambda g: order[g.node])
-    late = _late_masks(used, order, plan.anchor, reached | set(plan.owned))
+    late = _late_masks(gm, used, order, plan.anchor, reached | set(plan.owned))
     if isinstance(late, str):
         return late
     last = max(order[u] for u, _ in sinks)
@@ -292,8 +298,10 @@ def _row_wise(u: Node, n: Node) -> bool:
     out = tval(u)
     if out is None or u.op == "output":
         return False
-    if is_call(u, VIEWS):
-        return True
+    if is_call(u, VIEWS):  # (not a reinterpreting x.view(dtype): other elements per row)
+        return not any(isinstance(a, torch.dtype) for a in (*u.args, *u.kwargs.values()))
+    if is_call(u, DIVIDE) and not tval(n).dtype.is_floating_point:
+        return False  # a stand-in 0 could raise in an integer division where eager's values did not
     binary = is_call(u, MIN_MAX) and len(u.args) == 2 and not u.kwargs and all(isinstance(a, Node) for a in u.args)
     return (binary or is_call(u, ELEMENTWISE)) and _same_shape(tval(n), out)
 
@@ -304,9 +312,10 @@ def _reads(u: Node) -> str:
     return f"{u.name} ({_spelling(u)}) reads the values before a row mask"
 
 
-def _late_masks(gates: list, order: dict, anchor: Node, forbidden: set) -> Union[list, str]:
+def _late_masks(gm, gates: list, order: dict, anchor: Node, forbidden: set) -> Union[list, str]:
     """The masks' computations after ``anchor`` (the op's place), to move before it; why not when one
-    reads the site's values or logits, or is not a pure call."""
+    reads the site's values or logits, is not a pure call, draws random numbers, or a grad-mode or
+    autocast change lies between (moved, it would compute under another mode)."""
     late, stack = set(), [g.mask for g in gates]
     while stack:
         n = stack.pop()
@@ -314,10 +323,18 @@ def _late_masks(gates: list, order: dict, anchor: Node, forbidden: set) -> Union
             return f"the row mask {n.name} is computed from the site's logits or values"
         if n in late or order[n] < order[anchor]:
             continue
-        if n.op not in ("call_function", "call_method") or n.is_impure() or _mutation.writes(n) or n is anchor:
+        if (n.op not in ("call_function", "call_method") or n.is_impure() or _mutation.writes(n) or n is anchor
+                or any(w in _spelling(n).lower() for w in RANDOM_WORDS)):
             return f"the row mask {n.name} is computed after the site by more than pure calls"
         late.add(n)
         stack.extend(n.all_input_nodes)
+    if late:
+        last = max(order[n] for n in late)
+        mode = next((n for n in gm.graph.nodes if order[anchor] <= order[n] < last
+                     and n.is_impure()), None)  # (grad mode and autocast switches are impure calls)
+        if mode is not None:
+            return (f"the row mask is computed after {_spelling(mode)} (a grad-mode or autocast switch, or a call with "
+                    "side effects) and cannot move before the op")
     return sorted(late, key=order.__getitem__)
 
 
@@ -332,10 +349,11 @@ def _spelling(n: Node) -> str:
 def _name(n: Node) -> str:
     """The mask as the user named it (a placeholder's ``L_mask_`` is ``mask``; ``~mask.bool()`` is
     ``~mask``)."""
-    while is_call(n, ("to", "float", "bool", "type_as", "double", "half", "bfloat16", "long", "int")):
+    while is_call(n, ("to", "float", "bool", "type_as", "double", "half", "bfloat16", "long", "int")) and n.args:
         n = n.args[0]
-    if is_call(n, (operator.invert, torch.logical_not, "logical_not")):
-        return "~" + _name(n.args[0])
+    inner = arg(n, 0, "input") if is_call(n, (operator.invert, torch.logical_not, "logical_not")) else None
+    if isinstance(inner, Node):
+        return "~" + _name(inner)
     name = n.name
     if n.op == "placeholder" and name.startswith("l_") and name.endswith("_"):
         name = name[2:-1]

@@ -46,11 +46,13 @@ _INPLACE_NAME = re.compile(r"(?<!_)(_$|_[.]|(\b|_)(set|enter|exit|seed)(\b|_))(?
 # taking the enter's handle (not a tensor)
 _STATE_ONLY = tuple(f for f in (getattr(torch.amp.autocast_mode, name, None)
                                 for name in ("_enter_autocast", "_exit_autocast")) if f is not None)
+# Python's functional operators whose names end in "_" (``a & b`` is operator.and_): they write nothing
+_PY_PURE = (operator.and_, operator.or_, operator.not_)
 
 
 def writes(node: Node) -> tuple[Node, ...]:
     """The nodes among ``node``'s arguments whose tensors it may write (empty for a pure op)."""
-    if node.op not in ("call_function", "call_method") or node.target in _STATE_ONLY:
+    if node.op not in ("call_function", "call_method") or node.target in _STATE_ONLY or node.target in _PY_PURE:
         return ()
     out: list = []
     if node.kwargs.get("out") is not None:
