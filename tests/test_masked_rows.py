@@ -128,6 +128,14 @@ def _ignore_index_then_mask(h, w, ids, old, adv, mask):
     return (_pg(lp, old, adv) * mask).sum() / mask.sum()
 
 
+def _openrlhf_actor(h, w, ids, old, adv, mask):
+    """OpenRLHF's log_probs_from_logits (minus a cross-entropy with reduction="none": its default
+    ignore_index -100 on no row) and masked_mean over the action mask."""
+    z = _up(F.linear(h, w)) / TEMP
+    lp = -F.cross_entropy(z.view(-1, z.size(-1)), ids.view(-1), reduction="none").view(ids.shape)
+    return (_pg(lp, old, adv) * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).mean()
+
+
 def _clip_fraction(h, w, ids, old, adv, mask):
     """The loss and a logged metric as verl and TRL compute it, ``&`` with a boolean mask a gate too:
     the fraction of the kept tokens whose ratio was clipped."""
@@ -145,7 +153,7 @@ def _where_not_keyword(h, w, ids, old, adv, mask):
 
 SKIPPED = {f.__name__.lstrip("_"): f for f in (_trl_grpo, _where_bool, _masked_fill, _verl_entropy_bonus,
                                                _per_token_advantages, _ignore_index_then_mask, _clip_fraction,
-                                               _where_not_keyword)}
+                                               _where_not_keyword, _openrlhf_actor)}
 
 
 def _op_calls(gm) -> list:

@@ -10,8 +10,8 @@ OpenRLHF)::
 also spelled ``torch.where(mask, x, 0)`` and ``x.masked_fill(~mask, 0)``. When every use of a site's
 per-row values (log-probs, entropy, a cross-entropy with ``reduction="none"``) reaches the rest of the
 graph only through such *gates* (elementwise math and row-major views on the way), a row that every
-gate zeroes is read by nobody: the op skips it as it skips ``ignore_index`` rows (its ids become
-``NO_IGNORE`` there; its values are 0). ``find`` proves that walk and returns the ``RowMask``.
+gate zeroes is read by nobody: the op skips it as it skips ``ignore_index`` rows (its ids become the
+op's ignore_index there; its values are 0). ``find`` proves that walk and returns the ``RowMask``.
 
 A gate ``x * mask`` is eager's 0 on those rows only where eager's ``x`` is finite. A skipped row's
 stand-in values (log-prob 0, entropy 0) may make ``x`` overflow where eager's did not (``exp(0 −
@@ -124,8 +124,8 @@ class RowMask:
         keys = sorted({k for c in self.skip for k in c}, key=lambda k: [g.key for g in self.gates].index(k))
         return ", ".join(f"`{_not(_name(m)) if kind == 'where_not' else _name(m)}`" for kind, m in keys)
 
-    def masked_ids(self, e: Emitter, ids: Node) -> Node:
-        """``ids`` with ``NO_IGNORE`` on the rows the op skips, (N,) in its row order."""
+    def masked_ids(self, e: Emitter, ids: Node, ignore_index: int = NO_IGNORE) -> Node:
+        """``ids`` with ``ignore_index`` (the op's) on the rows the op skips, (N,) in its row order."""
         zero = {}
         for kind, m in {k for c in self.skip for k in c}:
             if kind == "where_not":
@@ -141,7 +141,7 @@ class RowMask:
             for k in clause:
                 any_ = zero[k] if any_ is None else e.call(torch.logical_or, any_, zero[k])
             skip = any_ if skip is None else e.call(torch.logical_and, skip, any_)
-        return e.call(torch.where, skip, NO_IGNORE, ids)
+        return e.call(torch.where, skip, ignore_index, ids)
 
     def seal(self, graph) -> None:
         """Each floating multiply gate made ``(x * mask).masked_fill(mask == 0, 0)``: 0 on a skipped
@@ -160,12 +160,13 @@ def find(gm, plan) -> Union[RowMask, str]:
     kinds = {h.kind for h, _ in plan.heads}
     if not config.skip_ignored_rows():
         return "INDUCTOR_XENT_SKIP_IGNORED=0"
-    if plan.ignore_index != NO_IGNORE or not kinds & {"log_probs", "entropy"}:
-        return "not a log-probs site"  # (reported by the ignore_index text, or not at all)
-    if plan.returned:
-        return "the compiled function returns the logits"
     if "argmax" in kinds:
         return "an argmax head needs every row"
+    if not all(h.kind in ("log_probs", "entropy") or (h.kind == "cross_entropy" and h.reduction == "none")
+               for h, _ in plan.main_heads):
+        return "not a log-probs site"  # a reduced loss reads every row (reported by the ignore_index text)
+    if plan.returned:
+        return "the compiled function returns the logits"
     if plan.lse_users or plan.escapes or plan.siblings or _dtensor.involved(plan.logits):
         return "the logits have other users"
     starts = [h.loss for h, _ in plan.main_heads]

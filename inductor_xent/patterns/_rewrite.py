@@ -114,7 +114,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         site.loss.replace_all_uses_with(_cast_like(e, loss, site.loss))
         _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
-    mask = plan.row_mask  # the rows no gate lets through are skipped (_masked.py): NO_IGNORE ids there
+    mask = plan.row_mask  # the rows no gate lets through are skipped (_masked.py): ignored ids there
     if mask is not None:
         for n in mask.hoist:  # (those the targets need too moved up already)
             if n not in plan.hoist:
@@ -141,7 +141,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         # no logsumexp of the graph reads the op's lse: the ignored rows' logits need not exist
         if mask is None and not (plan.lse_users or plan.returned or ii == NO_IGNORE):
             skip = {"skip_ignored": True}
-        ids = target1d if mask is None else mask.masked_ids(e, target1d)
+        ids = target1d if mask is None else mask.masked_ids(e, target1d, ii)
         out = e.call(ops.FORWARD, hidden2d, weight, bias, ids, ii, float(site.label_smoothing), scale, cap,
                      0.0, *write, **skip)
         rows, lse = _dtensor.local(e, e.getitem(out, 0)), _dtensor.local(e, e.getitem(out, 1))
