@@ -38,7 +38,8 @@
 #   probe   scratch/bi_probe.py (or $PROBE) when present (an uncommitted experiment; carry "scratch")
 #   rl      the RL head (log-probs + entropy at T = 0.7) at the qwen2.5-7b shape, every method (bench rl;
 #           RL_METHODS overrides, e.g. cublas,ours,ours_recompute,compile; RL_PROMPT=F: F of each sequence a
-#           prompt without gradient, ignore_index for the API methods, e.g. RL_METHODS=compile,ours,ours_dense)
+#           prompt without gradient, ignore_index for the API methods, e.g. RL_METHODS=compile,ours,ours_dense;
+#           ours_masked: the pass on the spelling masked after the head, its masked rows skipped)
 #   profile kernel time per method (torch.profiler) at llama3-8b: compile, store and store through the backend, and the GPU's
 #           idle gaps
 #   storek  the store strategy's dz pass and split combine alone, per launch parameters (llama3-8b, gemma2-2b)

@@ -136,6 +136,29 @@ def _openrlhf_actor(h, w, ids, old, adv, mask):
     return (_pg(lp, old, adv) * mask).sum(-1).div(mask.sum(-1).clamp(min=1)).mean()
 
 
+def _verl_vanilla(h, w, ids, old, adv, mask):
+    """verl's compute_policy_loss_vanilla (dual-clip PPO) with its logged metrics, masked_mean
+    over the response mask; the advantages per token, 0 on the padding as verl's GAE leaves them."""
+    lp = _lp(h, w, ids)
+    adv = adv.expand_as(old) * mask
+
+    def masked_mean(x, m):
+        return (x * m).sum() / (m.sum() + 1e-8)
+
+    neg_kl = torch.clamp(lp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(neg_kl)
+    ppo_kl = masked_mean(-neg_kl, mask)
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * torch.clamp(ratio, 0.8, 1.2)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
+    pg_losses3 = -adv * 3.0
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (adv < 0).float(), mask)
+    pg_losses = torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
+    return masked_mean(pg_losses, mask) + 0 * (ppo_kl + pg_clipfrac + pg_clipfrac_lower)
+
+
 def _clip_fraction(h, w, ids, old, adv, mask):
     """The loss and a logged metric as verl and TRL compute it, ``&`` with a boolean mask a gate too:
     the fraction of the kept tokens whose ratio was clipped."""
@@ -153,7 +176,7 @@ def _where_not_keyword(h, w, ids, old, adv, mask):
 
 SKIPPED = {f.__name__.lstrip("_"): f for f in (_trl_grpo, _where_bool, _masked_fill, _verl_entropy_bonus,
                                                _per_token_advantages, _ignore_index_then_mask, _clip_fraction,
-                                               _where_not_keyword, _openrlhf_actor)}
+                                               _where_not_keyword, _openrlhf_actor, _verl_vanilla)}
 
 
 def _op_calls(gm) -> list:
