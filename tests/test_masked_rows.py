@@ -11,6 +11,7 @@ whose values reach the output without a mask, which compute every row and say wh
 
 from __future__ import annotations
 
+import expecttest
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,7 @@ from torch._dynamo.utils import counters
 import inductor_xent
 from inductor_xent import ops
 
-from .helpers import Recorder, counting
+from .helpers import Recorder, before_after, counting
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -394,3 +395,76 @@ def test_rows_without_a_mask_computed(name):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     (site,) = inductor_xent.explain(fn, h, w, ids, old, adv, mask).sites
     assert site.fused and "every row computed (" in site.reason and why in site.reason, site.reason
+
+
+def test_random_mask_after_the_head_not_moved():
+    """A mask drawn at random after the head (token dropout of the loss) would be drawn before the
+    op's other random calls if moved: every row computed, and the reason says so."""
+
+    def fn(h, w, ids, old, adv, mask):
+        lp = _lp(h, w, ids)
+        keep = (torch.rand_like(old) > 0.5) & mask.bool()
+        return torch.where(keep, _pg(lp, old, adv), 0.0).sum()
+
+    rec = Recorder()
+    torch.compile(fn, backend=rec)(*_problem())
+    (op,) = _op_calls(rec.graphs[0])
+    assert "skip_ignored" not in op.kwargs, op.format_node()
+    (site,) = inductor_xent.explain(fn, *_problem()).sites
+    assert "every row computed (the row mask" in site.reason and "more than pure calls" in site.reason, site.reason
+
+
+class TestPrintouts(expecttest.TestCase):
+    """The rewritten graph, pinned (EXPECTTEST_ACCEPT=1 re-accepts; review the diff)."""
+
+    def test_two_masks(self):
+        """where(ids != -100, ...) then the mask: the op's ids NO_IGNORE where either zeroes the row,
+        the masks' conditions in graph order (the same graph every run), the multiply gate sealed."""
+        h, w, ids, old, adv, mask = (x[:1, :4] if x.dim() > 1 and x.shape[0] == B else x for x in _problem())
+        w = w[:7]
+        ids = ids % 7
+        inputs = dict(h=h, w=w, ids=ids, old=old, adv=adv, mask=mask)
+        after = before_after(_ignore_index_then_mask, inputs).split("# --- after the pass ---\n")[1]
+        self.assertExpectedInline(after, """\
+class GraphModule(torch.nn.Module):
+    def forward(self, L_ids_: "i64[1, 4]", L_h_: "f32[1, 4, 16]", L_w_: "f32[7, 16]", L_old_: "f32[1, 4]", L_adv_: "f32[1, 1]", L_mask_: "i64[1, 4]"):
+        l_ids_ = L_ids_
+        l_h_ = L_h_
+        l_w_ = L_w_
+        l_old_ = L_old_
+        l_adv_ = L_adv_
+        l_mask_ = L_mask_
+        valid: "b8[1, 4]" = l_ids_ != -100
+        where: "i64[1, 4]" = torch.where(valid, l_ids_, 0);  l_ids_ = None
+        unsqueeze: "i64[1, 4, 1]" = where.unsqueeze(-1);  where = None
+        flatten: "f32[4, 16]" = l_h_.flatten(0, -2);  l_h_ = None
+        reshape: "i64[4]" = unsqueeze.reshape(-1)
+        logical_not: "b8[1, 4]" = torch.logical_not(valid)
+        reshape_1: "b8[4]" = logical_not.reshape(-1);  logical_not = None
+        eq: "b8[1, 4]" = l_mask_ == 0
+        reshape_2: "b8[4]" = eq.reshape(-1);  eq = None
+        logical_or: "b8[4]" = torch.logical_or(reshape_1, reshape_2);  reshape_1 = reshape_2 = None
+        where_2: "i64[4]" = torch.where(logical_or, -2147483648, reshape);  logical_or = reshape = None
+        linear_ce_fwd_default = torch.ops.inductor_xent.linear_ce_fwd.default(flatten, l_w_, None, where_2, -2147483648, 0.0, 1.4285714285714286, None, 0.0, skip_ignored = True);  flatten = l_w_ = where_2 = None
+        getitem: "f32[4]" = linear_ce_fwd_default[0]
+        getitem_1: "f32[4]" = linear_ce_fwd_default[1];  linear_ce_fwd_default = getitem_1 = None
+        view_as: "f32[1, 4, 1]" = getitem.view_as(unsqueeze);  getitem = unsqueeze = None
+        neg_2: "f32[1, 4, 1]" = -view_as;  view_as = None
+        squeeze: "f32[1, 4]" = neg_2.squeeze(-1);  neg_2 = None
+        lp: "f32[1, 4]" = torch.where(valid, squeeze, 0.0);  valid = squeeze = None
+        sub: "f32[1, 4]" = lp - l_old_;  lp = l_old_ = None
+        ratio: "f32[1, 4]" = torch.exp(sub);  sub = None
+        neg: "f32[1, 1]" = -l_adv_
+        mul: "f32[1, 4]" = neg * ratio;  neg = None
+        neg_1: "f32[1, 1]" = -l_adv_;  l_adv_ = None
+        clamp: "f32[1, 4]" = torch.clamp(ratio, 0.8, 1.2);  ratio = None
+        mul_1: "f32[1, 4]" = neg_1 * clamp;  neg_1 = clamp = None
+        maximum: "f32[1, 4]" = torch.maximum(mul, mul_1);  mul = mul_1 = None
+        mul_2: "f32[1, 4]" = maximum * l_mask_;  maximum = None
+        eq_1: "b8[1, 4]" = l_mask_ == 0
+        masked_fill: "f32[1, 4]" = mul_2.masked_fill(eq_1, 0);  mul_2 = eq_1 = None
+        sum_1: "f32[]" = masked_fill.sum();  masked_fill = None
+        sum_2: "i64[]" = l_mask_.sum();  l_mask_ = None
+        truediv_1: "f32[]" = sum_1 / sum_2;  sum_1 = sum_2 = None
+        return (truediv_1,)
+""")

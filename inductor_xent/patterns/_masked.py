@@ -67,9 +67,6 @@ SHAPE_READS_OF_OTHER = ("expand_as", "type_as", "view_as", "reshape_as")
 MIN_MAX = (torch.min, torch.max, "min", "max")
 MULTIPLY = (operator.mul, torch.mul, "mul")
 DIVIDE = (operator.truediv, torch.div, "div")
-# calls whose results depend on the random generator's state: not moved before the op
-RANDOM_WORDS = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout", "exponential", "poisson",
-                "cauchy", "geometric", "log_normal")
 AND = (operator.and_, torch.logical_and, "logical_and")
 WHERE = (torch.where,)
 MASKED_FILL = (torch.masked_fill, "masked_fill")
@@ -119,15 +116,20 @@ class RowMask:
     gates: list  # [Gate] of the keys in ``skip``, in graph order
     hoist: list
 
+    def _rank(self) -> dict:
+        """Each gate key's place: the graph order of its first gate."""
+        return {g.key: i for i, g in reversed(list(enumerate(self.gates)))}
+
     def describe(self) -> str:
         """The masks by the names the user gave them, as the rows they keep (``masked_fill(~m, 0)`` keeps ``m``)."""
-        keys = sorted({k for c in self.skip for k in c}, key=lambda k: [g.key for g in self.gates].index(k))
+        keys = sorted({k for c in self.skip for k in c}, key=self._rank().__getitem__)
         return ", ".join(f"`{_not(_name(m)) if kind == 'where_not' else _name(m)}`" for kind, m in keys)
 
     def masked_ids(self, e: Emitter, ids: Node, ignore_index: int = NO_IGNORE) -> Node:
         """``ids`` with ``ignore_index`` (the op's) on the rows the op skips, (N,) in its row order."""
+        rank = self._rank()  # keys and clauses in graph order: the same graph every run
         zero = {}
-        for kind, m in {k for c in self.skip for k in c}:
+        for kind, m in sorted({k for c in self.skip for k in c}, key=rank.__getitem__):
             if kind == "where_not":
                 z = m
             elif kind == "where" and tval(m).dtype == torch.bool:
@@ -136,9 +138,9 @@ class RowMask:
                 z = e.call(operator.eq, m, 0)
             zero[(kind, m)] = e.method("reshape", z, -1)
         skip = None
-        for clause in sorted(self.skip, key=lambda c: sorted(id(k[1]) for k in c)):
+        for clause in sorted(self.skip, key=lambda c: sorted(rank[k] for k in c)):
             any_ = None
-            for k in clause:
+            for k in sorted(clause, key=rank.__getitem__):
                 any_ = zero[k] if any_ is None else e.call(torch.logical_or, any_, zero[k])
             skip = any_ if skip is None else e.call(torch.logical_and, skip, any_)
         return e.call(torch.where, skip, ignore_index, ids)
@@ -325,7 +327,7 @@ def _late_masks(gm, gates: list, order: dict, anchor: Node, forbidden: set) -> U
         if n in late or order[n] < order[anchor]:
             continue
         if (n.op not in ("call_function", "call_method") or n.is_impure() or _mutation.writes(n) or n is anchor
-                or any(w in _spelling(n).lower() for w in RANDOM_WORDS)):
+                or _mutation.seeded(n)):  # moved, it would reorder the random draws
             return f"the row mask {n.name} is computed after the site by more than pure calls"
         late.add(n)
         stack.extend(n.all_input_nodes)

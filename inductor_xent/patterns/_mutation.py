@@ -76,6 +76,23 @@ def writes(node: Node) -> tuple[Node, ...]:
     return tuple(dict.fromkeys(out))  # unique, in order
 
 
+# names of calls that draw random numbers but whose schema takes no Generator (aten::dropout), or that
+# have no schema found from the call (a method on a Python object)
+_RANDOM_WORDS = ("rand", "bernoulli", "normal", "uniform", "multinomial", "dropout", "exponential", "poisson",
+                 "cauchy", "geometric", "log_normal")
+
+
+def seeded(node: Node) -> bool:
+    """True when ``node``'s call may draw from the random generator (its result depends on the
+    generator's state, so moving it reorders the draws): a schema it may dispatch to takes a
+    ``Generator``, or its name is of the random family."""
+    if node.op not in ("call_function", "call_method"):
+        return False
+    if any(w in _name(node).lower() for w in _RANDOM_WORDS):
+        return True
+    return any("Generator" in str(a.type) for schema in (_schemas(node) or ()) for a in schema.arguments)
+
+
 def spelling(node: Node) -> str:
     """How the user wrote ``node``'s call, for a decline reason: ``torch.mul(..., out=)``,
     ``Tensor.mul_``, ``operator.setitem``, ``aten.mul_.Tensor``."""
