@@ -11,7 +11,11 @@ What is timed, at the llama3-8b head by default (bf16):
 * ``ours``: ``inductor_xent.linear_topk(h, w, k, log_probs=True, temperature=T)``;
 * ``ours_compiled``: the spelling under ``torch.compile(backend="inductor_xent")`` (the pass fuses it);
 * ``kept_ours`` / ``kept_eager``: the kept-set log-probs of sampled ids over each row's top-k,
-  ``linear_log_probs(..., top_k=k)`` against eager's ``masked_fill`` spelling.
+  ``linear_log_probs(..., top_k=k)`` against eager's ``masked_fill`` spelling;
+* ``nucleus_ours`` / ``nucleus_eager`` / ``nucleus_compile``: the kept-set log-probs over each row's
+  top-p set (p = 0.9, HF's ``TopPLogitsWarper`` rule), ``linear_log_probs(..., top_p=0.9)`` against
+  the warper written out over the logits, eagerly and under torch.compile. Only when named in
+  ``--methods`` (not in the default list): the sort over the vocabulary is slow to compile and time.
 
 Forward alone and forward + backward (the values' gradient a random [N, k] tensor; the kept-set
 rows' a random [N]) with the extra peak memory of each. Accounting: median of
@@ -39,7 +43,9 @@ import bench_kernels as bk  # noqa: E402
 import inductor_xent  # noqa: E402
 
 T = 0.7
+TOP_P = 0.9
 TARGET_FWD_VS_CUBLAS = 1.15
+OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile")  # timed only when named in --methods
 
 
 def spelling(h, w, k):
@@ -52,8 +58,19 @@ def kept_eager(h, w, ids, k):
     return u.masked_fill(u < kth, float("-inf")).log_softmax(-1).gather(-1, ids[:, None])[:, 0]
 
 
+def nucleus_eager(h, w, ids, top_p=TOP_P):
+    """HF's TopPLogitsWarper over the logits at T, then the sampled ids' log-probs over the kept set."""
+    u = F.linear(h, w).float() / T
+    sorted_logits, sorted_indices = torch.sort(u, descending=False)
+    remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    remove[..., -1:] = 0
+    u = u.masked_fill(remove.scatter(-1, sorted_indices, remove), float("-inf"))
+    return u.log_softmax(-1).gather(-1, ids[:, None])[:, 0]
+
+
 def methods(k):
     compiled = torch.compile(spelling, dynamic=False)
+    nucleus_compiled = torch.compile(nucleus_eager, dynamic=False)
     fused = torch.compile(spelling, backend="inductor_xent", dynamic=False)
     return {
         "cublas": lambda h, w, ids: F.linear(h, w),
@@ -63,6 +80,10 @@ def methods(k):
         "ours_compiled": lambda h, w, ids: fused(h, w, k).values,
         "kept_eager": lambda h, w, ids: kept_eager(h, w, ids, k),
         "kept_ours": lambda h, w, ids: inductor_xent.linear_log_probs(h, w, ids, temperature=T, top_k=k).log_probs,
+        "nucleus_eager": nucleus_eager,
+        "nucleus_compile": lambda h, w, ids: nucleus_compiled(h, w, ids),
+        "nucleus_ours": lambda h, w, ids: inductor_xent.linear_log_probs(h, w, ids, temperature=T,
+                                                                       top_p=TOP_P).log_probs,
     }
 
 
@@ -137,7 +158,10 @@ def main(argv=None) -> int:
     w = (torch.randn(v, d, generator=g) / d**0.25).to(args.device, dtype)
     k = min(args.k, v)
     fns = methods(k)
-    chosen = args.methods.split(",") if args.methods else list(fns)
+    chosen = args.methods.split(",") if args.methods else [m for m in fns if m not in OPT_IN]
+    unknown = [m for m in chosen if m not in fns]
+    if unknown:
+        ap.error(f"unknown methods {unknown}; known: {', '.join(fns)}")
     ms = timed(args.device, args.quick)
     with torch.no_grad():  # the kept-set rows' ids: sampled from each row's top-k (the rollout's)
         top = torch.topk(F.linear(h, w).float() / T, k)

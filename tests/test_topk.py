@@ -745,3 +745,30 @@ def test_top_p_spellings_the_op_does_not_run_are_left_alone():
     report = inductor_xent.explain(keep_two, h, w, y)
     assert report.fused_count == 0, report
     torch.testing.assert_close(torch.compile(keep_two, backend="inductor_xent")(h, w, y), keep_two(h, w, y))
+
+
+def test_bench_topk_cpu_dry_run_with_nucleus(tmp_path, capsys):
+    """bench_topk.py's dry run (tiny shapes on CPU) with the opt-in nucleus methods: every row timed
+    forward and forward + backward, and the bench's eager warper agrees with ours on its own inputs;
+    an unknown method is an error naming the known ones."""
+    import json
+
+    from benchmarks import bench_topk
+
+    assert bench_topk.main(["--device", "cpu", "--methods", "cublas,ours,nucleus_eager,nucleus_ours",
+                            "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_topk.json").read_text())["rows"]
+    assert [r["method"] for r in rows] == ["cublas", "ours", "nucleus_eager", "nucleus_ours"]
+    assert all(r["fwd_ms"] > 0 for r in rows) and all(r["fwd_bwd_ms"] > 0 for r in rows[1:])
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(20, 16, generator=g), torch.randn(300, 16, generator=g) * 0.3
+    ids = torch.randint(0, 300, (20,), generator=g)  # even rows: an id near the top (kept)
+    ids[::2] = torch.topk(F.linear(h, w), 3).indices[::2, 1]
+    fns = bench_topk.methods(8)
+    eager, ours = fns["nucleus_eager"](h, w, ids), fns["nucleus_ours"](h, w, ids)
+    fin = torch.isfinite(eager)
+    assert torch.equal(torch.isfinite(ours), fin) and fin.any() and (~fin).any()
+    torch.testing.assert_close(ours[fin], eager[fin], rtol=1e-5, atol=1e-5)
+    with pytest.raises(SystemExit):
+        bench_topk.main(["--device", "cpu", "--methods", "ours,fastest"])
+    assert "unknown methods ['fastest']" in capsys.readouterr().err
