@@ -11,6 +11,8 @@ whose values reach the output without a mask, which compute every row and say wh
 
 from __future__ import annotations
 
+import functools
+
 import expecttest
 import pytest
 import torch
@@ -175,9 +177,18 @@ def _where_not_keyword(h, w, ids, old, adv, mask):
     return torch.where(torch.logical_not(input=pad), _pg(_lp(h, w, ids), old, adv), 0.0).sum()
 
 
+def _gather_then_index(h, w, ids, old, adv, mask):
+    """The gathered column dropped by indexing, ``torch.gather(logp, -1, ids[..., None])[..., 0]``
+    (bench rl's spelling), and a boolean mask."""
+    logp = F.log_softmax(_up(F.linear(h, w)) / TEMP, -1)
+    lp = torch.gather(logp, -1, ids[..., None])[..., 0]
+    return (_pg(lp, old, adv) * mask.bool()).sum() / mask.sum()
+
+
 SKIPPED = {f.__name__.lstrip("_"): f for f in (_trl_grpo, _where_bool, _masked_fill, _verl_entropy_bonus,
                                                _per_token_advantages, _ignore_index_then_mask, _clip_fraction,
-                                               _where_not_keyword, _openrlhf_actor, _verl_vanilla)}
+                                               _where_not_keyword, _openrlhf_actor, _verl_vanilla,
+                                               _gather_then_index)}
 
 
 def _op_calls(gm) -> list:
@@ -190,10 +201,21 @@ def _grads(fn, h, w, args):
     return [loss.detach(), *torch.autograd.grad(loss, (h, w))]
 
 
+def _store(monkeypatch):
+    """The store strategy, with a budget that holds every row at these shapes (on CPU ``auto`` recomputes)."""
+    monkeypatch.setenv("INDUCTOR_XENT_STRATEGY", "store")
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", "4x")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "store"])
 @pytest.mark.parametrize("name", sorted(SKIPPED))
-def test_masked_rows_skipped(name):
+def test_masked_rows_skipped(name, strategy, monkeypatch):
     """One op call that skips the masked rows (its ids NO_IGNORE there, skip_ignored), explain says
-    so; loss and gradients as eager's with the masked rows' hidden states poisoned."""
+    so; loss and gradients as eager's with the masked rows' hidden states poisoned. With
+    ``store`` every site is the log-probs op's store (per-token gradients: the cross-entropy op
+    stores a reduced loss only)."""
+    if strategy == "store":
+        _store(monkeypatch)
     fn = SKIPPED[name]
     h, w, ids, old, adv, mask = _problem()
     skipped = mask == 0
@@ -205,14 +227,17 @@ def test_masked_rows_skipped(name):
     ours = _grads(torch.compile(fn, backend=rec), poisoned, w, (ids, old, adv, mask))
     (op,) = _op_calls(rec.graphs[0])
     assert op.kwargs.get("skip_ignored") is True, op.format_node()
+    assert (op.target is ops.LOGPROB_STORE) == (strategy == "store"), op.format_node()
     want = _grads(fn, h, w, (ids, old, adv, mask))
     assert torch.isfinite(want[0]), "eager's loss is finite on the finite problem"
     for a, b, what in zip(ours, want, ("loss", "grad_hidden", "grad_weight")):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
     assert torch.equal(ours[1][skipped], torch.zeros_like(ours[1][skipped])), "no gradient on skipped rows"
-    (site,) = inductor_xent.explain(fn, h, w, ids, old, adv, mask).sites
+    leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())  # a step's: store needs a gradient
+    (site,) = inductor_xent.explain(fn, *leaves, ids, old, adv, mask).sites
     assert site.fused and "masked rows skipped in forward and backward" in site.reason, site.reason
     assert "`mask`" in site.reason or "`~pad`" in site.reason, site.reason
+    assert ("log-probs op" in site.reason and "strategy store" in site.reason) == (strategy == "store"), site.reason
 
 
 def _check_within_torch_error(fn, problem, backend, autocast=None, floor=1e-6):
@@ -247,10 +272,15 @@ def _check_within_torch_error(fn, problem, backend, autocast=None, floor=1e-6):
 def test_masked_rows_skipped_other_dtypes(dtype, impl, monkeypatch):
     """float64 and bfloat16; bfloat16 also through the Triton kernels (interpreted), which compact
     the valid rows first on the device: the log-probs op with the entropy, eager's loss and
-    gradients within its own rounding."""
+    gradients within its own rounding. On the Triton kernels also TRL's loss (log-probs only) under
+    ``store``: the log-probs op's store kernels keep the compacted rows' exp-logits."""
     monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
     _check_within_torch_error(_verl_entropy_bonus, _problem(dtype), "inductor_xent",
                               floor=1e-12 if dtype == torch.float64 else 1e-6)
+    if impl == "triton":
+        _store(monkeypatch)
+        counters.clear()
+        _check_within_torch_error(_trl_grpo, _problem(dtype), "inductor_xent")
 
 
 def test_masked_rows_skipped_under_autocast():
@@ -261,15 +291,20 @@ def test_masked_rows_skipped_under_autocast():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")
-@pytest.mark.parametrize("name", ["trl_grpo", "verl_entropy_bonus"])
-def test_masked_rows_cuda(name):
+@pytest.mark.parametrize("strategy", ["auto", "store"])
+@pytest.mark.parametrize("name", ["trl_grpo", "verl_entropy_bonus", "gather_then_index"])
+def test_masked_rows_cuda(name, strategy, monkeypatch):
     """On the GPU under autocast (bf16 operands: the compacted Triton kernels), through Inductor:
-    the masked rows poisoned, eager autocast's loss and gradients within its error."""
+    the masked rows poisoned, eager autocast's loss and gradients within its error; ``store``: the
+    log-probs op's store kernels."""
+    if strategy == "store":
+        _store(monkeypatch)
     problem = _problem(torch.float32, device="cuda")
     rec = Recorder(**{"xent.inner": "inductor"})
     _check_within_torch_error(SKIPPED[name], problem, rec, autocast=torch.bfloat16)
     (op,) = _op_calls(rec.graphs[0])
     assert op.kwargs.get("skip_ignored") is True
+    assert (op.target is ops.LOGPROB_STORE) == (strategy == "store"), op.format_node()
 
 
 def test_masked_rows_dynamic_batch():
@@ -363,7 +398,15 @@ def _dtype_view(h, w, ids, old, adv, mask):
     return (lp * mask).sum() + bits.sum() * 0
 
 
+def _shifted_index(h, w, ids, old, adv, mask):
+    """``lp[:, 1:]``: an indexing that drops rows is not a view of every row (the mask's rows would
+    not line up with the values'), so nothing gates the values."""
+    lp = _lp(h, w, ids)
+    return (_pg(lp, old, adv)[:, 1:] * mask[:, 1:]).sum()
+
+
 COMPUTED = {
+    "shifted_index": (_shifted_index, "reads the values before a row mask"),
     "mask_under_no_grad": (_mask_under_no_grad, "a grad-mode or autocast switch"),
     "mask_after_autocast": (_mask_after_autocast, "a grad-mode or autocast switch"),
     "integer_division": (_integer_division, "reads the values before a row mask"),
@@ -468,3 +511,43 @@ class GraphModule(torch.nn.Module):
         truediv_1: "f32[]" = sum_1 / sum_2;  sum_1 = sum_2 = None
         return (truediv_1,)
 """)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-token sites under store: the log-probs op, its ignore_index rows skipped as the cross-entropy op's
+# ---------------------------------------------------------------------------------------------
+def _ce_none(h, w, ids, adv, z_loss=0.0):
+    """OpenRLHF's log-probs (minus a cross-entropy with reduction "none") with the prompt's labels
+    -100 and no mask after the head: the ignored rows' values are the op's 0; a z-loss reads every
+    row's logsumexp."""
+    z = _up(F.linear(h, w)) / TEMP
+    lp = -F.cross_entropy(z.flatten(0, 1), ids.flatten(), reduction="none").view(ids.shape)
+    loss = -(lp * adv).sum()
+    return loss + z_loss * torch.logsumexp(z, -1).square().sum() if z_loss else loss
+
+
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+@pytest.mark.parametrize("strategy", ["auto", "store"])
+def test_ignore_index_rows_of_a_per_token_site(strategy, z_loss, monkeypatch):
+    """A cross-entropy with reduction "none" (per-token gradients): on CPU ``auto`` keeps the
+    cross-entropy op, ``store`` takes the log-probs op's store. Either skips the -100 rows (poisoned
+    here) unless a logsumexp of the graph reads them (then computed, not poisoned, and explain
+    says so); eager's loss and gradients."""
+    if strategy == "store":
+        _store(monkeypatch)
+    h, w, ids, _, adv, mask = _problem()
+    ids = torch.where(mask.bool(), ids, -100)
+    skipped = ids == -100
+    fn = functools.partial(_ce_none, z_loss=z_loss)
+    rec = Recorder()
+    ours = _grads(torch.compile(fn, backend=rec), _poison(h, skipped) if not z_loss else h, w, (ids, adv))
+    (op,) = _op_calls(rec.graphs[0])
+    assert (op.target is ops.LOGPROB_STORE) == (strategy == "store"), op.format_node()
+    assert (op.kwargs.get("skip_ignored") is True) == (not z_loss), op.format_node()
+    for a, b in zip(ours, _grads(fn, h, w, (ids, adv))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())
+    (site,) = inductor_xent.explain(fn, *leaves, ids, adv).sites
+    why = "ignored rows computed in the forward (a logsumexp" if z_loss else "ignored rows skipped in forward and backward"
+    assert why in site.reason, site.reason
+    assert ("log-probs op" in site.reason) == (strategy == "store"), site.reason

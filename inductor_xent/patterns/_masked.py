@@ -185,7 +185,7 @@ def find(gm, plan) -> Union[RowMask, str]:
         g = gates.get(u)
         if g is not None:
             settled[u] = _or(settled[_gated(g, reached)], g.key)
-        elif not is_call(u, VIEWS) and any(a in reached and not _same_shape(tval(a), tval(u))
+        elif not _view(u) and any(a in reached and not _same_shape(tval(a), tval(u))
                                            for a in u.all_input_nodes):
             return f"{u.name} ({_spelling(u)}) broadcasts the values"
         else:
@@ -303,10 +303,32 @@ def _row_wise(u: Node, n: Node) -> bool:
         return False
     if is_call(u, VIEWS):  # (not a reinterpreting x.view(dtype): other elements per row)
         return not any(isinstance(a, torch.dtype) for a in (*u.args, *u.kwargs.values()))
+    if _row_index(u):
+        return True
     if is_call(u, DIVIDE) and not tval(n).dtype.is_floating_point:
         return False  # a stand-in 0 could raise in an integer division where eager's values did not
     binary = is_call(u, MIN_MAX) and len(u.args) == 2 and not u.kwargs and all(isinstance(a, Node) for a in u.args)
     return (binary or is_call(u, ELEMENTWISE)) and _same_shape(tval(n), out)
+
+
+def _view(u: Node) -> bool:
+    """``u`` is a row-major view of its input: a view call or an indexing that keeps every element."""
+    return is_call(u, VIEWS) or _row_index(u)
+
+
+def _row_index(u: Node) -> bool:
+    """``x[idx]`` that keeps every element of ``x`` in row-major order: ``idx`` made of full slices,
+    ``...``, ``None`` and 0 or -1 on dimensions of size 1 (the element count unchanged), as
+    ``gather(lp, -1, ids[:, None])[:, 0]`` drops the gathered column."""
+    if not (u.op == "call_function" and u.target is operator.getitem and len(u.args) == 2 and not u.kwargs):
+        return False
+    src, out = tval(u.args[0]), tval(u)
+    if not (isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor)):
+        return False
+    idx = u.args[1] if isinstance(u.args[1], tuple) else (u.args[1],)
+    kept = all(i is Ellipsis or i is None or (type(i) is int and i in (0, -1))
+               or (isinstance(i, slice) and (i.start, i.stop, i.step) == (None, None, None)) for i in idx)
+    return kept and same(src.numel(), out.numel())
 
 
 def _reads(u: Node) -> str:

@@ -89,6 +89,9 @@ class SitePlan:
     # the row masks every use of the values passes (_masked.find; set right before the rewrite), or why none
     row_mask: Optional[_masked.RowMask] = None
     row_mask_why: str = ""
+    # per-row heads only (log-probs, cross-entropy with reduction "none") kept by the log-probs op's
+    # store (gradients(): the cross-entropy op stores a reduced loss only)
+    per_row_store: bool = False
 
     @property
     def autocast(self) -> bool:
@@ -115,8 +118,9 @@ class SitePlan:
 
     @property
     def log_probs_op(self) -> bool:
-        """Entropy and argmax come from the log-probs op (the cross-entropy op has neither)."""
-        return any(h.kind in ("entropy", "argmax") for h, _ in self.heads)
+        """Entropy and argmax come from the log-probs op (the cross-entropy op has neither); so do
+        per-row heads whose gradients it stores (``per_row_store``)."""
+        return self.per_row_store or any(h.kind in ("entropy", "argmax") for h, _ in self.heads)
 
     @property
     def target(self) -> Optional[Node]:
@@ -453,6 +457,14 @@ def _grad_mode_between(gm, order: dict, chain: LogitsChain, last: Node) -> Optio
     return None
 
 
+def _per_row_heads(p: SitePlan) -> bool:
+    """Every head the op serves is per row (log-probs, a cross-entropy with reduction "none" and no
+    label smoothing: RL's token log-probs) and the log-probs op can serve them (no returned logits)."""
+    return not p.returned and all(
+        h.kind == "log_probs" or (h.kind == "cross_entropy" and h.reduction == "none" and not h.label_smoothing)
+        for h, _ in p.main_heads)
+
+
 def op_dtype(chain: LogitsChain) -> torch.dtype:
     """The dtype the op computes from: the matmul's example value's, which under autocast is
     autocast's dtype (bfloat16, float16) while the hidden states and weight are fp32."""
@@ -472,10 +484,17 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
     v, d = chain.vd
     n = numel_hint(tx)
     n = None if n is None else n // max(1, hint(d) or 1)
-    if p.log_probs_op:  # per-row heads (log-probs, entropy, argmax): their own store (strategy.py)
+    def per_row() -> strategy.GradientPlan:
         return strategy.choose_log_probs(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS,
                                          p.dtype, needs=p.needs, strategy=which, budget=budget,
                                          device=tx.device.type)
+
+    if p.log_probs_op:  # per-row heads (log-probs, entropy, argmax): their own store (strategy.py)
+        return per_row()
+    if _per_row_heads(p):  # per-token gradients: the log-probs op's store where it is chosen (else why not)
+        how = per_row()
+        p.per_row_store = how.strategy == "store"
+        return how
     reduced = len(main) == 1 and site.kind == "cross_entropy"  # store gives one reduced loss
     return strategy.choose(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
                            reduction=site.reduction if reduced else "none", needs=p.needs,

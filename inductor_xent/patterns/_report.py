@@ -131,11 +131,11 @@ def _ignored_rows(plan: SitePlan, how: strategy.GradientPlan) -> str:
     if plan.row_mask_why and plan.ignore_index == NO_IGNORE and any(
             h.kind in ("log_probs", "entropy") for h, _ in plan.heads):
         return f"every row computed ({plan.row_mask_why})"
-    if plan.ignore_index == NO_IGNORE or plan.log_probs_op:
+    if plan.ignore_index == NO_IGNORE or (plan.log_probs_op and not plan.per_row_store):
         return ""
     if plan.returned:
         return "ignored rows computed in the forward (the returned logits need them)"
-    if how.strategy != "store" and plan.lse_users:
+    if (how.strategy != "store" or plan.per_row_store) and plan.lse_users:
         return "ignored rows computed in the forward (a logsumexp of the graph reads theirs)"
     return "ignored rows skipped in forward and backward (CUDA: 16-bit inputs; CPU: any dtype)"
 
