@@ -484,6 +484,37 @@ def test_nucleus_rejects():
         inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=0.9, entropy=True)
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.999])
+def test_nucleus_tie_at_the_edge_same_columns_in_the_backward(top_p):
+    """Logits tied across the kept set's edge (weight rows duplicated; a per-row top_k splitting the
+    tie): the kept set is the stable descending order's prefix (a tie's lower columns first) in the
+    forward, and the backward, which rebuilds it from the forward's edge without sorting, keeps the
+    same columns: values and gradients as float64 eager's log-softmax over that prefix."""
+    g = torch.Generator().manual_seed(51)
+    n, v = 12, 40
+    h = torch.randn(n, D, generator=g, dtype=torch.float64)
+    w = torch.randn(v, D, generator=g, dtype=torch.float64) * 0.05  # flat: top_p 0.999 keeps all the top-k
+    w[20:30] = w[10]  # column 10 ties with columns 20..29 in every row
+    with torch.no_grad():
+        u = F.linear(h, w)
+        assert torch.equal(u[:, 10:11].expand(n, 10), u[:, 20:30]), "the tie must be exact"
+        order = torch.sort(u, dim=-1, descending=True, stable=True).indices
+        k = (order == 10).int().argmax(-1) + 4  # column 10 and the first three of its ties: 20, 21, 22
+        kept = torch.zeros(n, v, dtype=torch.bool).scatter_(1, order, torch.arange(v)[None, :] < k[:, None])
+        assert kept[:, [10, 20, 21, 22]].all() and not kept[:, 23:30].any()
+    y = torch.where(torch.arange(n) % 2 == 0, 22, 23)  # kept, and a tied column outside the set
+    gy = torch.randn(n, generator=g, dtype=torch.float64)
+    lv = _leaves((h, w))
+    lp = inductor_xent.linear_log_probs(lv[0], lv[1], y, top_k=k, top_p=top_p).log_probs
+    ours = _grads((lp.where(torch.isfinite(lp), 0.0) * gy).sum(), lv, None)
+    le = _leaves((h, w))
+    want = F.linear(*le).masked_fill(~kept, float("-inf")).log_softmax(-1).gather(1, y[:, None])[:, 0]
+    assert torch.equal(torch.isfinite(lp), y == 22) and torch.equal(torch.isfinite(want), y == 22)
+    torch.testing.assert_close(lp[y == 22], want[y == 22])
+    for a, b in zip(ours, _grads((want.where(torch.isfinite(want), 0.0) * gy).sum(), le, None)):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("per_row_p", [False, True])
 def test_opcheck_nucleus_ops(per_row_p):
     h, w, b, y = _inputs(seed=33)
@@ -492,9 +523,10 @@ def test_opcheck_nucleus_ops(per_row_p):
     p_rows = torch.rand(N, generator=torch.Generator().manual_seed(34)) * 0.9 + 0.05 if per_row_p else None
     args = (h2.requires_grad_(), w.requires_grad_(), b, y1, k_rows, p_rows, 0.9, 1.2, 4.0, -100)
     torch.library.opcheck(topk.NUCLEUS, args)
+    _, lse, edge_value, edge_col = topk.NUCLEUS(*args)
     torch.library.opcheck(torch.ops.inductor_xent.linear_nucleus_logprob_bwd.default,
-                          (torch.randn(N), h2.detach(), w.detach(), b, y1, k_rows, p_rows, 0.9, 1.2, 4.0, -100, True,
-                           True, True))
+                          (torch.randn(N), h2.detach(), w.detach(), b, y1, lse, edge_value, edge_col, 1.2, 4.0, -100,
+                           True, True, True))
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
