@@ -166,8 +166,9 @@ def linear_log_probs(
     before it is below ``top_p``). The log-probs are over that set (``−inf`` outside it), with
     gradients as eager's masked log-softmax. It runs ``inductor_xent::linear_nucleus_logprob``: each
     row chunk's logits sorted (O(chunk·V) memory, no ``[N, V]`` tensor), its backward recomputing
-    them (not sorting them: each row's kept set is rebuilt from the forward's edge); ``entropy`` and ``argmax`` are not computed with ``top_p`` (a ``ValueError``). A kept set
-    decided within rounding of the rollout engine's (its mass at ``top_p`` exactly) may differ.
+    them (not sorting them: each row's kept set is rebuilt from the forward's edge column); ``entropy``
+    and ``argmax`` are not computed with ``top_p`` (a ``ValueError``). A kept set decided within
+    rounding of the rollout engine's (its mass at ``top_p`` exactly) may differ.
     """
     hidden, weight, bias = _autocast(hidden, weight, bias)  # first: bf16 activations, fp32 master weights
     _validate(hidden, weight, target, bias, "none", 0.0, logit_scale, softcap, 0.0)

@@ -344,11 +344,12 @@ def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], p_rows: Optional[Tensor], 
 
 
 def _nucleus_chunk(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
-    """The forward of one row chunk: (u, lse over the kept columns, the kept set's edge, the target
-    kept, valid). The kept set is a prefix of the stable descending order (its first ``count``
+    """The forward of one row chunk: (u, lse over the kept columns, the kept set's edge column, the
+    target kept, valid). The kept set is a prefix of the stable descending order (its first ``count``
     columns, ``_kept_sorted`` up to its first dropped column), so it is also every column above the
-    edge's value or equal to it at or before the edge's column (``_kept``): the backward rebuilds it
-    from the recomputed logits without sorting them again."""
+    edge column's value or equal to it at or before that column (``_kept``): the backward rebuilds it
+    from the recomputed logits and the edge column without sorting them again. (The edge's column,
+    not its value: a backward that chunks the rows otherwise rounds the logits otherwise.)"""
     u, _ = _scaled(F.linear(hidden, weight, bias), logit_scale, softcap)
     s, order = torch.sort(u, dim=-1, descending=True, stable=True)  # stable: ties in column order
     keep_sorted = _kept_sorted(s, k_rows, p_rows, top_p)
@@ -356,21 +357,24 @@ def _nucleus_chunk(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_sc
     del keep_sorted
     cols = torch.arange(s.shape[1], device=s.device)[None, :]
     lse = torch.logsumexp(s.masked_fill(cols >= count, float("-inf")), dim=-1)
-    edge = (s.gather(1, count - 1)[:, 0], order.gather(1, count - 1)[:, 0])
+    edge_value, edge_col = s.gather(1, count - 1)[:, 0], order.gather(1, count - 1)[:, 0]
     del s, order
     valid = target != ignore_index
     t = torch.where(valid, target, 0)[:, None]
-    hit = _kept(u.gather(1, t), *edge, t)[:, 0] & valid
-    return u, lse, edge, hit, valid
+    hit = _kept(u.gather(1, t), edge_value, edge_col, t)[:, 0] & valid
+    return u, lse, edge_col, hit, valid
 
 
 def _kept(u: Tensor, edge_value: Tensor, edge_col: Tensor, cols: Optional[Tensor] = None) -> Tensor:
     """Which of ``u``'s columns (``cols``: their indices, default all) are in the kept prefix whose
-    last column in the stable descending order is ``edge_col`` with value ``edge_value`` (per row)."""
+    last column in the stable descending order is ``edge_col`` with value ``edge_value`` (per row).
+    NaN sorts above every number (``torch.sort``'s order): NaN columns are kept before any other, and
+    an edge of NaN keeps the NaN columns up to its own."""
     if cols is None:
         cols = torch.arange(u.shape[1], device=u.device)[None, :]
     value, col = edge_value[:, None], edge_col[:, None]
-    return (u > value) | ((u == value) & (cols <= col))
+    nan = u.isnan()
+    return torch.where(value.isnan(), nan & (cols <= col), nan | (u > value) | ((u == value) & (cols <= col)))
 
 
 def _rows(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
@@ -378,12 +382,11 @@ def _rows(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
 
 
 def _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
-    """(log-probs over the kept sets, their logsumexp, the kept sets' edge values and columns), (N,) each."""
+    """(log-probs over the kept sets, their logsumexp, the kept sets' edge columns), (N,) each."""
     n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden.dtype)
     out = hidden.new_empty((n,), dtype=cd)
     lse_all = hidden.new_empty((n,), dtype=cd)
-    edge_value = hidden.new_empty((n,), dtype=cd)
     edge_col = hidden.new_empty((n,), dtype=torch.long)
     step = chunk_rows(n, v, hidden.device)
     for start in range(0, n, step):
@@ -394,21 +397,21 @@ def _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_
         rows = torch.where(hit, u.gather(1, t)[:, 0] - lse, float("-inf"))
         out[sl] = torch.where(valid, rows, 0.0)
         lse_all[sl] = lse
-        edge_value[sl], edge_col[sl] = edge
-    return out, lse_all, edge_value, edge_col
+        edge_col[sl] = edge
+    return out, lse_all, edge_col
 
 
-def _nucleus_backward(grad, hidden, weight, bias, target, lse, edge_value, edge_col, logit_scale, softcap,
-                      ignore_index, needs):
+def _nucleus_backward(grad, hidden, weight, bias, target, lse, edge_col, logit_scale, softcap, ignore_index, needs):
     """d(log-prob over the kept set)/d(inputs) with the kept set a constant (as eager's masked_fill):
     du = g·(onehot(t)·[t kept] − p_kept), p_kept = softmax over the kept columns, 0 elsewhere. The
-    kept set comes from the forward's edge (``_kept``): the logits are recomputed, not sorted."""
+    kept set comes from the forward's edge column (``_kept``): the logits are recomputed, not sorted."""
     cd = compute_dtype(hidden.dtype)
     g_all = grad.to(cd)
 
     def du_of(sl):
         u, x = _scaled(F.linear(hidden[sl], weight, bias), logit_scale, softcap)
-        keep = _kept(u, edge_value[sl], edge_col[sl])
+        col = edge_col[sl]
+        keep = _kept(u, u.gather(1, col[:, None])[:, 0], col)
         valid = target[sl] != ignore_index
         t = torch.where(valid, target[sl], 0)[:, None]
         hit = keep.gather(1, t)[:, 0] & valid
@@ -423,10 +426,10 @@ def _nucleus_backward(grad, hidden, weight, bias, target, lse, edge_value, edge_
 @_without_autocast
 def linear_nucleus_logprob(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
                            k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float, logit_scale: float,
-                           softcap: Optional[float], ignore_index: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(log-probs over each row's top-k / top-p kept set, the kept set's logsumexp, the value and the
-    column of its last column in the stable descending order), (N,) each; the nucleus mass is each
-    row's ``p_rows`` (N,), or ``top_p`` for every row without it."""
+                           softcap: Optional[float], ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-probs over each row's top-k / top-p kept set, the kept set's logsumexp, its last column in
+    the stable descending order), (N,) each; the nucleus mass is each row's ``p_rows`` (N,), or
+    ``top_p`` for every row without it."""
     return _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index)
 
 
@@ -434,22 +437,21 @@ def linear_nucleus_logprob(hidden: Tensor, weight: Tensor, bias: Optional[Tensor
 def _(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
     cd = compute_dtype(hidden.dtype)
     rows = hidden.shape[:1]
-    return (hidden.new_empty(rows, dtype=cd), hidden.new_empty(rows, dtype=cd), hidden.new_empty(rows, dtype=cd),
-            hidden.new_empty(rows, dtype=torch.long))
+    return hidden.new_empty(rows, dtype=cd), hidden.new_empty(rows, dtype=cd), hidden.new_empty(rows, dtype=torch.long)
 
 
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob_bwd", mutates_args=())
 @_without_autocast
 def linear_nucleus_logprob_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
-                               lse: Tensor, edge_value: Tensor, edge_col: Tensor, logit_scale: float,
-                               softcap: Optional[float], ignore_index: int, needs_hidden: bool, needs_weight: bool,
+                               lse: Tensor, edge_col: Tensor, logit_scale: float, softcap: Optional[float],
+                               ignore_index: int, needs_hidden: bool, needs_weight: bool,
                                needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return _nucleus_backward(grad, hidden, weight, bias, target, lse, edge_value, edge_col, logit_scale, softcap,
-                             ignore_index, (needs_hidden, needs_weight, needs_bias))
+    return _nucleus_backward(grad, hidden, weight, bias, target, lse, edge_col, logit_scale, softcap, ignore_index,
+                             (needs_hidden, needs_weight, needs_bias))
 
 
 @linear_nucleus_logprob_bwd.register_fake
-def _(grad, hidden, weight, bias, target, lse, edge_value, edge_col, logit_scale, softcap, ignore_index, needs_hidden,
+def _(grad, hidden, weight, bias, target, lse, edge_col, logit_scale, softcap, ignore_index, needs_hidden,
       needs_weight, needs_bias):
     return (hidden.new_empty(hidden.shape) if needs_hidden else hidden.new_empty(0),
             weight.new_empty(weight.shape) if needs_weight else weight.new_empty(0),
@@ -458,21 +460,21 @@ def _(grad, hidden, weight, bias, target, lse, edge_value, edge_col, logit_scale
 
 def _nucleus_setup_context(ctx, inputs, output):
     hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index = inputs
-    _, lse, edge_value, edge_col = output
-    ctx.save_for_backward(hidden, weight, bias, target, lse, edge_value, edge_col)
-    ctx.mark_non_differentiable(lse, edge_value, edge_col)
+    _, lse, edge_col = output
+    ctx.save_for_backward(hidden, weight, bias, target, lse, edge_col)
+    ctx.mark_non_differentiable(lse, edge_col)
     ctx.set_materialize_grads(False)
     ctx.options = (logit_scale, softcap, ignore_index)
 
 
 def _nucleus_autograd_backward(ctx, grad, *_unused):
-    hidden, weight, bias, target, lse, edge_value, edge_col = ctx.saved_tensors
+    hidden, weight, bias, target, lse, edge_col = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     need_b = need_b and bias is not None
     if grad is None or not (need_h or need_w or need_b):
         return (None,) * 10
-    gh, gw, gb = linear_nucleus_logprob_bwd(grad, hidden, weight, bias, target, lse, edge_value, edge_col,
-                                            *ctx.options, need_h, need_w, need_b)
+    gh, gw, gb = linear_nucleus_logprob_bwd(grad, hidden, weight, bias, target, lse, edge_col, *ctx.options, need_h,
+                                            need_w, need_b)
     return gh if need_h else None, gw if need_w else None, gb if need_b else None, *(None,) * 7
 
 

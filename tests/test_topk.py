@@ -515,6 +515,48 @@ def test_nucleus_tie_at_the_edge_same_columns_in_the_backward(top_p):
         torch.testing.assert_close(a, b)
 
 
+def test_nucleus_backward_chunked_otherwise_keeps_the_same_columns():
+    """The backward chunks the rows when it runs (``config.fallback_chunk_bytes`` may change in
+    between): 1-row chunks (a gemv) in the forward and 64-row chunks (a gemm) in the backward round the
+    logits otherwise. The kept set is rebuilt from the edge's column, not its value: the gradients
+    stay those of one chunking, to rounding."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 64, 256, 300
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) * 0.1
+    y = torch.topk(F.linear(h, w), 3).indices[:, 0]
+    gy = torch.linspace(0.5, 1.5, n)
+
+    def grad_h(fwd_bytes, bwd_bytes):
+        hh = h.clone().requires_grad_()
+        with fallback_chunks(fwd_bytes):
+            lp = inductor_xent.linear_log_probs(hh, w, y, top_p=0.5).log_probs
+        with fallback_chunks(bwd_bytes):
+            return torch.autograd.grad((lp.where(torch.isfinite(lp), 0.0) * gy).sum(), hh)[0]
+
+    one_row, many = v * 10, 8 * 2**20
+    torch.testing.assert_close(grad_h(one_row, many), grad_h(one_row, one_row), rtol=1e-5, atol=1e-6)
+
+
+def test_nucleus_nan_logits_propagate_as_eager():
+    """A NaN logit column (one NaN weight entry; a row's target on it): torch.sort puts NaN first, so it
+    is in every row's kept set, and the log-prob there and the weight and bias gradients are NaN as
+    eager's HF warper makes them, not silently 0."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 24, 16, 50
+    h = torch.randn(n, d, generator=g).requires_grad_()
+    w = torch.randn(v, d, generator=g) * 0.5
+    w[13, 0] = float("nan")
+    w.requires_grad_()
+    b = (torch.randn(v, generator=g) * 0.3).requires_grad_()
+    y = torch.randint(0, v, (n,), generator=g)
+    y[0] = 13
+    lp = inductor_xent.linear_log_probs(h, w, y, bias=b, top_p=0.8).log_probs
+    assert lp[0].isnan()
+    gw, gb = torch.autograd.grad(lp.where(lp.isfinite(), 0.0).sum(), (w, b))
+    assert gw.isnan().any() and gb.isnan().any()
+
+
 @pytest.mark.parametrize("per_row_p", [False, True])
 def test_opcheck_nucleus_ops(per_row_p):
     h, w, b, y = _inputs(seed=33)
@@ -523,10 +565,10 @@ def test_opcheck_nucleus_ops(per_row_p):
     p_rows = torch.rand(N, generator=torch.Generator().manual_seed(34)) * 0.9 + 0.05 if per_row_p else None
     args = (h2.requires_grad_(), w.requires_grad_(), b, y1, k_rows, p_rows, 0.9, 1.2, 4.0, -100)
     torch.library.opcheck(topk.NUCLEUS, args)
-    _, lse, edge_value, edge_col = topk.NUCLEUS(*args)
+    _, lse, edge_col = topk.NUCLEUS(*args)
     torch.library.opcheck(torch.ops.inductor_xent.linear_nucleus_logprob_bwd.default,
-                          (torch.randn(N), h2.detach(), w.detach(), b, y1, lse, edge_value, edge_col, 1.2, 4.0, -100,
-                           True, True, True))
+                          (torch.randn(N), h2.detach(), w.detach(), b, y1, lse, edge_col, 1.2, 4.0, -100, True, True,
+                           True))
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
