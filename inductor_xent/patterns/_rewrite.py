@@ -126,11 +126,10 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             ids = e.method("new_zeros", hidden2d, e.method("size", hidden2d, 0), dtype=torch.long)
         elif ii == NO_IGNORE:
             ids = target1d
-        elif plan.per_row_store and not plan.lse_users:  # per-row heads only: nobody reads an ignored row
-            ids = e.call(torch.where, e.call(operator.eq, target1d, ii), NO_IGNORE, target1d)
-            skip = {"skip_ignored": True}
-        else:  # an entropy of every row (or a logsumexp) reads the ignored rows too: computed
-            ids = e.call(torch.where, e.call(operator.eq, target1d, ii), 0, target1d)
+        else:  # per-row heads only, no logsumexp: nobody reads an ignored row (an entropy reads every row)
+            skip_ii = plan.per_row_store and not plan.lse_users
+            ids = e.call(torch.where, e.call(operator.eq, target1d, ii), NO_IGNORE if skip_ii else 0, target1d)
+            skip = {"skip_ignored": True} if skip_ii else skip
         ids = ids if mask is None else mask.masked_ids(e, ids)
         lp_args = (hidden2d, weight, bias, ids, NO_IGNORE, scale, cap, "entropy" in kinds, "argmax" in kinds)
         if how.strategy == "store":  # the exp-logits of as many rows as the budget holds, sized at run time
