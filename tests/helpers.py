@@ -355,6 +355,14 @@ def _permute_leading(x, W, y, **_):
     return F.cross_entropy(F.linear(x, W).permute(1, 0, 2).reshape(-1, V), y.t().reshape(-1))
 
 
+def _no_grad_head(x, W, y, **_):
+    """The lm_head runs under no_grad, the loss after it: the op runs where the loss is, with gradient
+    enabled, so its loss is detached (eager's carries no gradient: the weight gets none)."""
+    with torch.no_grad():
+        logits = F.linear(x, W)
+    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + x.sum() * 0
+
+
 SPELLINGS.update({
     "softcap_functional_tanh": (_softcap_functional_tanh, "lm_head_cross_entropy"),
     "softcap_cap_first": (_softcap_cap_first, "lm_head_cross_entropy"),
@@ -362,6 +370,7 @@ SPELLINGS.update({
     "scalar_tensor_scale": (_scalar_tensor_scale, "lm_head_cross_entropy"),
     "prophetnet_transpose": (_prophetnet, "log_softmax_nll"),
     "permute_leading": (_permute_leading, "lm_head_cross_entropy"),
+    "no_grad_lm_head": (_no_grad_head, "lm_head_cross_entropy"),
 })
 
 
@@ -438,14 +447,6 @@ def _scale_from_logits(x, W, y, **_):
     return F.cross_entropy((z * z.detach().mean((0, 1))).view(-1, V), y.view(-1))
 
 
-def _no_grad_head(x, W, y, **_):
-    """The head runs under no_grad: moving its
-    work into the loss's grad-enabled region would add gradients eager never computes."""
-    with torch.no_grad():
-        logits = F.linear(x, W)
-    return F.cross_entropy(logits.view(-1, V), y.view(-1)) + x.sum() * 0
-
-
 def _other_user(x, W, y, **_):
     logits = F.linear(x, W)
     return F.cross_entropy(logits.view(-1, V), y.view(-1)) + 1e-3 * logits.pow(2).mean()
@@ -457,7 +458,6 @@ DECLINES = {
     "logits_other_user": (_other_user, "other users"),
     "float64_upcast": (_float64_upcast, "float64 loss"),
     "unsupported_op_between": (_unsupported_op_between, "unsupported op"),
-    "no_grad_lm_head": (_no_grad_head, "grad mode changes"),
     "mixed_dtype_bias": (_mixed_dtype_bias, "mixed dtypes"),
     "nll_class_weights": (_nll_class_weights, "class weights"),
     "one_hot_keepdim": (_one_hot_keepdim, "without keepdim"),

@@ -79,6 +79,9 @@ def test_no_logits_in_aot_graphs(name):
     assert len(aot.fw_graphs) == len(aot.bw_graphs) == 1
     assert logits_sized(aot.fw_graphs + aot.bw_graphs) == []
     fw, bw = targets(aot.fw_graphs[0]), targets(aot.bw_graphs[0])
+    if name == "no_grad_lm_head":  # the loss carries no gradient: the op has no backward to run
+        assert ops.FORWARD in fw and ops.BACKWARD not in bw
+        return
     assert (ops.FORWARD in fw and ops.BACKWARD in bw) or ops.STORE in fw
 
 

@@ -150,6 +150,44 @@ def _softcap_temperature(x, W, yv, **_):
     return logp.gather(-1, yv[..., None]).squeeze(-1), -(logp.exp() * logp).sum(-1), z.argmax(-1, keepdim=True)
 
 
+def _entropy_no_grad(x, W, yv, **_):
+    """TRL's GRPO: the entropy logged under no_grad, the log-probs trained; one op runs with gradient,
+    its entropy detached (eager's has no gradient)."""
+    logp = F.log_softmax(F.linear(x, W) / TEMP, -1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, yv[..., None]), entropy
+
+
+def _entropy_no_grad_in_loss(x, W, yv, **_):
+    """The no_grad entropy added to the trained value: its gradient must not reach x or W."""
+    z = _up(F.linear(x, W))
+    logp = z.log_softmax(-1)
+    lp = logp.gather(-1, yv[..., None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = torch.logsumexp(z, -1) - (F.softmax(z, -1) * z).sum(-1)
+    return (lp + 0.5 * entropy,)
+
+
+def _accuracy_no_grad(x, W, b, y, **_):
+    """An SFT loss and TRL's token accuracy under no_grad (argmax, masked by the labels)."""
+    z = _up(F.linear(x, W, b))
+    loss = F.cross_entropy(z.view(-1, V), y.view(-1), ignore_index=-100)
+    with torch.no_grad():
+        mask = y != -100
+        accuracy = ((z.argmax(-1) == y) & mask).sum() / mask.sum()
+    return loss, accuracy
+
+
+def _lse_no_grad(x, W, y, **_):
+    """A z-loss trained, the logsumexp also logged under no_grad."""
+    z = _up(F.linear(x, W))
+    loss = F.cross_entropy(z.view(-1, V), y.view(-1)) + 1e-4 * torch.logsumexp(z, -1).square().mean()
+    with torch.no_grad():
+        logged = torch.logsumexp(z, -1).mean()
+    return loss, logged
+
+
 FWD, LP = ops.FORWARD, ops.LOGPROB_FORWARD
 SPELLINGS = {
     "gather_log_softmax": (_gather_log_softmax, "log_probs", FWD, ()),
@@ -167,6 +205,10 @@ SPELLINGS = {
     "argmax_first": (_argmax_first, "log_probs+entropy+argmax", LP, (0,)),
     "sft_and_entropy": (_sft_and_entropy, "cross_entropy+entropy", LP, ()),
     "softcap_temperature": (_softcap_temperature, "log_probs+entropy+argmax", LP, (2,)),
+    "entropy_under_no_grad": (_entropy_no_grad, "log_probs+entropy", LP, ()),
+    "entropy_no_grad_in_loss": (_entropy_no_grad_in_loss, "log_probs+entropy", LP, ()),
+    "accuracy_under_no_grad": (_accuracy_no_grad, "cross_entropy+argmax", LP, (1,)),
+    "logsumexp_logged_under_no_grad": (_lse_no_grad, "cross_entropy", FWD, ()),
 }
 
 
@@ -328,6 +370,21 @@ def test_under_autocast_within_torch_error(name):
     for what, a, s, e in zip(("x", "W", "b"), ours_g, same_g, exact_g):
         assert a.dtype == s.dtype == torch.float32
         assert_within_torch_error(a, s, e, floor=1e-6, what=f"{name} grad {what}")
+
+
+@pytest.mark.parametrize("name", ["entropy_under_no_grad", "entropy_no_grad_in_loss", "accuracy_under_no_grad",
+                                  "logsumexp_logged_under_no_grad"])
+def test_heads_under_no_grad_carry_no_gradient(name):
+    """A head computed inside ``torch.no_grad()`` next to trained ones: the op runs with gradient
+    (before the block, where the lm_head is), and each output carries a gradient exactly where eager's
+    does (the no_grad heads' values are detached)."""
+    fn = SPELLINGS[name][0]
+    ins = {k: v.requires_grad_(v.is_floating_point()) for k, v in _inputs().items()}
+    rec = Recorder()
+    got, want = torch.compile(fn, backend=rec)(**ins), fn(**ins)
+    assert fused_ops(rec.after[0]) == 1 and counters["inductor_xent"]["sites_declined"] == 0
+    assert [o.requires_grad for o in got] == [o.requires_grad for o in want]
+    assert "_set_grad_enabled" in rec.code_after[0], "the no_grad block stays around what it held"
 
 
 def test_ignored_rows_keep_their_entropy():
@@ -500,13 +557,6 @@ def _two_temperatures(x, W, yv, **_):
     return (z / TEMP).log_softmax(-1).gather(-1, yv[..., None]), -(logp.exp() * logp).sum(-1)
 
 
-def _entropy_no_grad(x, W, yv, **_):
-    """The entropy logged under no_grad, the log-probs trained: one op cannot be in both modes."""
-    logp = F.log_softmax(F.linear(x, W), -1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, yv[..., None]), entropy
-
 
 def _trl_bf16_loop(x, W, yv, **_):
     """TRL's selective_log_softmax for bf16 logits: log_softmax row by row, stacked."""
@@ -557,7 +607,6 @@ DECLINES = {
     "log_of_softmax": (_log_of_softmax, "torch.log of a softmax", 1),
     "in_place_temperature": (_in_place_temperature, "Tensor.div_ writes", 1),
     "two_temperatures": (_two_temperatures, "read different logits", 1),
-    "entropy_under_no_grad": (_entropy_no_grad, "grad mode changes", 1),
     "label_smoothing_and_entropy": (_smoothing_and_entropy, "label smoothing in a cross-entropy next to", 1),
     "label_smoothing_and_rows": (_smoothing_and_rows, "label smoothing in a cross-entropy next to", 1),
     "two_targets": (_two_targets, "read different targets", 1),

@@ -125,13 +125,15 @@ def swaps_storage(node: Node) -> bool:
     return _name(node) in ("set_", "swap_tensors")
 
 
-def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users, hoisted) -> Optional[str]:
+def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users, hoisted,
+                   place: Optional[Node] = None) -> Optional[str]:
     """A reason when a write could change what the rewrite of ``heads`` (Heads over ``chain``;
     ``logits``: every node holding the logits or what the heads derive from them) computes.
 
     The op reads the hidden states, weight, bias and targets where it is placed (before the heads
     and the logsumexps it replaces); eager read them at the matmul and at the idioms' own nodes
-    (``one_hot(y)``, a gather). So no node from the first of those reads to the last node replaced
+    (``one_hot(y)``, a gather; ``place``: where the op goes when not before its first replaced node,
+    ``_plan._op_place``). So no node from the first of those reads to the last node replaced
     may write a tensor sharing storage with any of them, with the logits the replaced nodes read,
     or with the inputs of a target computation hoisted up to the op; and no replaced node may
     write anything (the write would vanish). When a head requires grad, no later node may write
@@ -165,7 +167,7 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     # eager reads the targets at the loss (or at the idiom's own one_hot / gather), the op where it is
     # placed: a write to them before both is seen by both (ProphetNet builds its targets in place,
     # new_zeros().fill_() then slices set, after its lm_head)
-    anchor = min(order[n] for n in (*losses, *lse_users))
+    anchor = min(order[n] for n in (*losses, *lse_users, *([place] if place is not None else ())))
     target_from = min([anchor] + [order[n] for n in (*aux, *hoisted)])
     start = {r: (target_from if what == "the targets" and r in targets else lo) for r, what in reads.items()}
     # the op saves hidden/weight/bias/targets for its backward (whatever requires grad), where eager's

@@ -92,6 +92,9 @@ class SitePlan:
     # per-row heads only (log-probs, cross-entropy with reduction "none") kept by the log-probs op's
     # store (gradients(): the cross-entropy op stores a reduced loss only)
     per_row_store: bool = False
+    # replaced nodes (heads' values, logsumexps) that eager computes without gradient inside a grad-mode
+    # change (a torch.no_grad() block after the op's first head): their replacements are detached
+    no_grad: frozenset = frozenset()
 
     @property
     def autocast(self) -> bool:
@@ -102,8 +105,10 @@ class SitePlan:
     @property
     def needs(self) -> tuple[bool, bool, bool]:
         """Which of (hidden, weight, bias) the graph will ask a gradient of: none when every head
-        reads ``logits.detach()``."""
-        return (False, False, False) if all(c.detached for _, c in self.heads) else self.logits.needs
+        reads ``logits.detach()`` or is computed without gradient (``no_grad``)."""
+        if all(c.detached or all(n in self.no_grad for n in _valued(h)) for h, c in self.heads):
+            return (False, False, False)
+        return self.logits.needs
 
     @property
     def first(self) -> Head:
@@ -174,12 +179,16 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
         return Decline(None, site.loss, "a logsumexp the head subtracts does not read the same logits as the rest")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    anchor = min([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
+    first = min([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
+    anchor = _op_place(gm, order, chain, first)
     target = _with_target(heads) and _with_target(heads).target
     inputs = [chain.hidden, chain.weight, chain.bias, target, *(h.shape_ref for h, _ in heads)]
     hoist = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
+    if hoist and anchor is not first and any(_floating(n) for n in hoist):
+        hoist = None  # out of a no_grad block a float computation would take a gradient
     # before the escape check: with allow_escaping_logits a write would still be fused wrongly
-    reason = _mutation.written_between(gm, order, [h for h, _ in heads], chain, list(read), lse_users, hoist or ())
+    reason = _mutation.written_between(gm, order, [h for h, _ in heads], chain, list(read), lse_users, hoist or (),
+                                       place=anchor)
     returned, why_not = [], None
     if not reason and escapes and can_return:
         returned, why_not = _returnable(heads, chain, read, escapes)
@@ -205,11 +214,16 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
                               "function that does, to fuse each head)" if returned else f" ({reason})"))
     if not reason and hoist is None:
         reason = "the targets are computed after a logsumexp of the logits"
-    last = max([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
-    reason = reason or _grad_mode_between(gm, order, chain, last)
+    no_grad = frozenset()
+    if not reason:
+        replaced = [*(n for h, _ in heads for n in _valued(h)), *lse_users]
+        reason = _grad_modes(gm, order, chain, anchor, replaced)
+        if isinstance(reason, frozenset):
+            reason, no_grad = None, reason
     if reason:
         return Decline(None, site.loss, reason)
-    return SitePlan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned, siblings)
+    return SitePlan(heads, chain, anchor, hoist, lse_users, escapes, list(owned), op_dtype(chain), returned, siblings,
+                    no_grad=no_grad)
 
 
 def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> tuple[list, Optional[str]]:
@@ -444,17 +458,64 @@ def _late_closure(nodes: list, order: dict, anchor: Node) -> Optional[list]:
     return sorted(late, key=order.__getitem__)
 
 
-def _grad_mode_between(gm, order: dict, chain: LogitsChain, last: Node) -> Optional[str]:
-    """A reason when moving the matmul's work to the op, placed before the first node it replaces,
-    could change what it computes: a grad-mode change (``with torch.no_grad():`` around the lm_head
-    only, or around one of its heads or logsumexps) between the matmul and ``last`` of those."""
-    changes = gm.graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled, sort=False)
-    if any(order[chain.matmul] < order[n] < order[last] for n in changes):
-        return ("the grad mode changes between the lm_head matmul and the loss (a torch.no_grad() block around "
-                "the lm_head or one of its heads): read the logits through .detach() instead, e.g. "
+def _mode_changes(gm, order: dict) -> list:
+    """The graph's grad-mode switches (``torch.no_grad()`` / ``enable_grad()`` blocks), in order."""
+    return sorted(gm.graph.find_nodes(op="call_function", target=torch._C._set_grad_enabled, sort=False),
+                  key=order.__getitem__)
+
+
+def _mode_at(changes: list, order: dict, node: Node) -> Optional[bool]:
+    """The grad mode ``node`` runs in: the last switch before it; before the first, the other mode
+    (Dynamo records a switch only where the mode it traces in changes); None without switches."""
+    before = [c for c in changes if order[c] < order[node]]
+    if before:
+        return bool(arg(before[-1], 0, "mode"))
+    return not arg(changes[0], 0, "mode") if changes else None
+
+
+def _op_place(gm, order: dict, chain: LogitsChain, first: Node) -> Node:
+    """The node the op is placed before: the first node it replaces, or where that runs in another
+    grad mode than the lm_head matmul (a head inside a ``torch.no_grad()`` block first in the graph),
+    the first mode switch after the matmul: the op runs in the matmul's mode."""
+    changes = _mode_changes(gm, order)
+    between = [c for c in changes if order[chain.matmul] < order[c] < order[first]]
+    if between and _mode_at(changes, order, first) != _mode_at(changes, order, chain.matmul):
+        return between[0]
+    return first
+
+
+def _grad_modes(gm, order: dict, chain: LogitsChain, anchor: Node, replaced: list) -> Union[frozenset, str, None]:
+    """Where grad-mode switches lie between the lm_head matmul and the last node the op replaces: the
+    replaced nodes (``replaced``) whose eager values carry no gradient, to detach (TRL's entropy or
+    accuracy under no_grad next to the trained loss; the op runs in the matmul's mode, ``_op_place``);
+    a reason when one that carries a gradient runs in another mode than the op; None without switches."""
+    changes = _mode_changes(gm, order)
+    last = max(replaced, key=order.__getitem__)
+    if not any(order[chain.matmul] < order[n] < order[last] for n in changes):
+        return None
+    no_grad = frozenset(n for n in replaced if not _carries_grad(n))
+    op_mode = _mode_at(changes, order, anchor)
+    if any(_mode_at(changes, order, n) != op_mode for n in replaced if n not in no_grad):
+        return ("the grad mode changes between the lm_head matmul and a head that trains (a torch.no_grad() "
+                "or enable_grad() block between them): read the logits through .detach() instead, e.g. "
                 "ref = logits.detach().log_softmax(-1) for a head without gradient, or "
                 "F.linear(h, W).detach() for logits that need none, to fuse")
-    return None
+    return no_grad
+
+
+def _floating(n: Node) -> bool:
+    t = tval(n)
+    return t is None or t.is_floating_point()
+
+
+def _valued(h: Head) -> list:
+    """The nodes whose values the rewrite replaces for ``h``: its loss, or a top-k's items."""
+    return list(h.aux) if h.kind == "topk" else [h.loss]
+
+
+def _carries_grad(n: Node) -> bool:
+    t = tval(n)
+    return t is None or (isinstance(t, torch.Tensor) and t.requires_grad)
 
 
 def _per_row_heads(p: SitePlan) -> bool:

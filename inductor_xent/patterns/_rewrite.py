@@ -83,7 +83,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         # (each with its own scale and softcap: a top-k at a temperature next to the loss)
         own = float(c.logit_scale), None if c.softcap is None else float(c.softcap)
         if h.kind == "topk":
-            _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d))
+            _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d), plan.no_grad)
         elif h.kind == "kept":
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
             if h.nucleus:  # a nucleus kept set (within the top-k when both)
@@ -100,7 +100,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             else:
                 out = e.call(topk.TOPK, hidden2d, weight, bias, h.k, *own, False)
                 rows = e.call(topk.kept_from_top, e.getitem(out, 0), e.getitem(out, 1), t1d, int(h.ignore_index))
-            _place(e, h.loss, _shaped(e, h, c, rows, hidden, all_ops, d), h.negate, chain, folded)
+            _place(e, h.loss, _shaped(e, h, c, rows, hidden, all_ops, d), h.negate, chain, folded, plan.no_grad)
     if not plan.main_heads:
         return _erase_dead(gm, plan, erased, folded)
     write = (True,) if plan.returned else ()  # the op writes the logits the graph returns (escape.py)
@@ -111,7 +111,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         loss = e.getitem(out, 0)
         if plan.heads[0][1].detached:  # the loss of logits.detach(): no gradient, as eager's
             loss = e.method("detach", loss)
-        site.loss.replace_all_uses_with(_cast_like(e, loss, site.loss))
+        site.loss.replace_all_uses_with(_without_grad(e, _cast_like(e, loss, site.loss), site.loss, plan.no_grad))
         _return_logits(gm, e, plan, out, 4)
         return _erase_dead(gm, plan, erased, folded)
     mask = plan.row_mask  # the rows no gate lets through are skipped (_masked.py): ignored ids there
@@ -162,6 +162,7 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
             value = e.call(operator.add, value, c.shift)
         if c.detached:
             value = e.method("detach", value)
+        value = _without_grad(e, value, u, plan.no_grad)
         u.replace_all_uses_with(_dtensor.restore(e, _cast_like(e, value, u), u, chain))
     if plan.returned:
         _return_logits(gm, e, plan, out, 3)
@@ -222,7 +223,7 @@ def _place_heads(e: Emitter, plan: SitePlan, values: dict, ops_in: _Operands, ii
                 value = e.method("detach", value)
         else:
             value = _shaped(e, h, c, value, ops_in.hidden, ops_in.all_ops, ops_in.d)
-        _place(e, h.loss, value, (sign < 0) != h.negate, plan.logits, folded)
+        _place(e, h.loss, value, (sign < 0) != h.negate, plan.logits, folded, plan.no_grad)
 
 
 def _return_logits(gm, e: Emitter, plan: SitePlan, out: Node, index: int) -> None:
@@ -310,7 +311,8 @@ def _lead(e: Emitter, c: _logits.LogitsChain, position: int, hidden: Node, all_o
     return e.getitem(e.method("size", like), slice(None, -1))
 
 
-def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, cap, shaping: tuple) -> None:
+def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, cap, shaping: tuple,
+          no_grad: frozenset = frozenset()) -> None:
     """One top-k head: the top-k op over the site's operands, its values (exponentials for a
     softmax's) and indices shaped as the rows of the logits it read, with ``k`` last, in place of
     the ``torch.topk`` result's two items."""
@@ -326,13 +328,16 @@ def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, 
     if c.detached:
         items[0] = e.method("detach", items[0])
     for u in h.aux:  # getitem(topk, 0 or 1)
-        u.replace_all_uses_with(_cast_like(e, items[arg(u, 1, "index")], u))
+        u.replace_all_uses_with(_without_grad(e, _cast_like(e, items[arg(u, 1, "index")], u), u, no_grad))
 
 
-def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.LogitsChain, folded: list) -> None:
+def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.LogitsChain, folded: list,
+           no_grad: frozenset = frozenset()) -> None:
     """Make ``node``'s users read ``value`` (minus it when ``negative``): a negation that is the
     node's only user reads ``value`` itself instead (``-F.cross_entropy(..., reduction="none")``,
-    ``-(p * logp).sum(-1)`` cost no negation)."""
+    ``-(p * logp).sum(-1)`` cost no negation). Detached where ``node`` is among ``no_grad``
+    (``SitePlan.no_grad``: eager computes it without gradient)."""
+    value = _without_grad(e, value, node, no_grad)
     users = list(node.users)
     if negative and len(users) == 1 and is_call(users[0], NEG) and len(users[0].args) == 1 and not users[0].kwargs:
         node, negative = users[0], False
@@ -402,6 +407,15 @@ def _erase(gm, chain: _logits.LogitsChain, plan: SitePlan, candidates: list, era
             erased.add(n)
             changed = True
     return avoided
+
+
+def _without_grad(e: Emitter, value: Node, node: Node, no_grad: frozenset) -> Node:
+    """``value`` detached where ``node`` (what it replaces) is among ``no_grad``: eager computes it
+    inside a ``torch.no_grad()`` block while the op runs with gradient (``SitePlan.no_grad``)."""
+    t = tval(node)
+    if node not in no_grad or t is None or not t.is_floating_point():
+        return value
+    return e.method("detach", value)
 
 
 def _cast(e: Emitter, node: Node, dtype: torch.dtype) -> Node:
