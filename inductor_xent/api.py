@@ -205,9 +205,10 @@ def linear_log_probs(
         # eagerly through consuming_stored (e, m, st are dropped here: the backward may write dz
         # over e); compiled, DonatedScale does that where autograd donates e
         run = ops.LOGPROB_STORE if torch.compiler.is_compiling() else ops.consuming_stored
-        log_probs, ent, arg, *_ = run(*args, 0, budget, True)  # skip_ignored: no lse read here
+        log_probs, ent, arg, *_ = run(*args, 0, budget, not argmax)  # skip_ignored: no lse read here
     else:
-        log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args, True)  # skip_ignored: no lse read here
+        # skip_ignored: no lse read here; the argmax is every row's (documented above)
+        log_probs, ent, arg, _, _ = ops.LOGPROB_FORWARD(*args, not argmax)
     shape = target.shape
     return LogProbs(log_probs.view(shape), ent.view(shape) if entropy else None, arg.view(shape) if argmax else None)
 

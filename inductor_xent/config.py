@@ -155,3 +155,13 @@ def skip_ignored_rows() -> bool:
     the device and every GEMM stops at their count (templates/rows.py); ``0`` computes every row
     (the A/B switch of ``bench kernels --ignored``)."""
     return _switch("INDUCTOR_XENT_SKIP_IGNORED", True)
+
+
+def traced() -> tuple:
+    """The settings that change what the ops' autograd and the pass trace into a graph that the graph's
+    own nodes do not show (the implementation decides whether a store op's backward reads compacted
+    rows; the strategy, budget, row skipping and batch invariance change the rewrite): part of the
+    Inductor cache keys (``inductor_pass.CacheSalt``), so that a compiled graph is never replayed
+    under other settings."""
+    return (impl(), strategy(), store_budget(), skip_ignored_rows(), batch_invariant(), triton_interpret())
+

@@ -223,15 +223,15 @@ def log_probs_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(log_probs, entropy, argmax, lse, lse_lo), (N,) each; log_probs and entropy 0 on ignored
     rows, argmax (int64) of every row; entropy and argmax empty (0,) where not asked for. With
-    ``skip_ignored`` and no argmax, as ``forward``'s: an ignored row's lse and lse_lo are 0 too."""
+    ``skip_ignored``, as ``forward``'s: an ignored row's lse, lse_lo and argmax are 0 too."""
     n, vocab = hidden.shape[0], weight.shape[0]
     cd, w, b = _upcast(hidden, weight, bias)
     dev = hidden.device
-    live = _live_rows(target != opts.ignore_index) if skip_ignored and not need_argmax else None
+    live = _live_rows(target != opts.ignore_index) if skip_ignored else None
     new = torch.empty if live is None else torch.zeros
     log_probs, lse, lse_lo = (new(n, dtype=cd, device=dev) for _ in range(3))
     entropy = new(n if need_entropy else 0, dtype=cd, device=dev)
-    argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
+    argmax = new(n if need_argmax else 0, dtype=torch.long, device=dev)
     for rows in _row_chunks(n, chunk_rows(n, vocab, cd), live):
         z, _ = _chunk_logits(hidden[rows].to(cd), w, b, opts)
         t = target[rows]

@@ -13,7 +13,8 @@
 * ``CacheSalt``: a no-op ``CustomGraphPass`` the backend puts in ``joint_custom_pre_pass``. Its
   ``uuid()`` is a hash of every source file of this package, and Inductor puts custom-pass uuids
   into both the FX-graph and the AOTAutograd cache keys: editing our backward (which is not in the
-  Dynamo graph, so no other key sees it) or our kernels can never replay stale compiled code.
+  Dynamo graph, so no other key sees it) or our kernels can never replay stale compiled code; nor can
+  a change of the settings that our ops read while they are traced (``config.traced``).
 * ``DonatedScale``: a ``post_grad_custom_post_pass`` (backend and ``install()``) that lets a
   compiled backward of the store strategy scale its donated saved gradients in place, and the
   log-prob store's write its dz over its donated exp-logits.
@@ -46,13 +47,16 @@ def source_hash() -> bytes:
 
 
 class CacheSalt(CustomGraphPass):
-    """Does nothing to the graph; its uuid keys Inductor's caches on our sources."""
+    """Does nothing to the graph; its uuid keys Inductor's caches on our sources and on the settings
+    our ops read while they are traced (``config.traced``: a backward traced under
+    ``INDUCTOR_XENT_IMPL=chunked`` reads its stored rows in row order, one traced for the Triton kernels
+    in the order they were compacted to; the same graph otherwise)."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         return None
 
     def uuid(self) -> Optional[Any]:
-        return ("inductor_xent.CacheSalt", source_hash())
+        return ("inductor_xent.CacheSalt", config.traced(), source_hash())
 
 
 class XentPass(CustomGraphPass):

@@ -49,8 +49,8 @@ Log-probabilities (``linear_log_probs``; RL and evaluation heads), strategy ``re
   softcap, need_entropy, need_argmax, skip_ignored=False) -> (log_probs, entropy, argmax, lse,
   lse_lo)``: per row ``z_t − lse`` and the entropy ``−Σ p log p`` (both 0 on ignored rows; compute
   dtype), the argmax (int64, every row, the first maximal column), lse and its residual. ``entropy``
-  and ``argmax`` are empty (0,) when not asked for. ``skip_ignored`` as ``linear_ce_fwd``'s, where
-  no argmax is asked for. A temperature is folded into ``logit_scale`` and ``softcap``
+  and ``argmax`` are empty (0,) when not asked for. ``skip_ignored`` as ``linear_ce_fwd``'s (an
+  ignored row's argmax is 0 then: the caller reads none). A temperature is folded into ``logit_scale`` and ``softcap``
   by the caller (``options.fold_temperature``). Differentiable in log_probs, entropy and lse.
 * ``inductor_xent::linear_logprob_bwd(grad_log_probs, grad_entropy, grad_lse, hidden, weight, bias,
   target, lse, lse_lo, entropy, ignore_index, logit_scale, softcap, needs_hidden, needs_weight,
@@ -689,8 +689,7 @@ def _lp_store_setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)  # eleven, or twelve with skip_ignored
     # e, m, st hold the valid rows first (launch.log_probs_store): the backward must know
     skip_ignored = len(rest) > 2 and rest[2]
-    ctx.compacted = skip_ignored and use_triton(hidden) and _kernels(hidden).store_skips(True, need_argmax,
-                                                                                          hidden.dtype)
+    ctx.compacted = skip_ignored and use_triton(hidden) and _kernels(hidden).store_skips(True, hidden.dtype)
     ctx.save_for_backward(hidden, weight, bias, target, lse, lse_lo, entropy, e, m, st)
     ctx.mark_non_differentiable(argmax, lse_lo, e, m, st)
     ctx.set_materialize_grads(False)

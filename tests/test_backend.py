@@ -92,7 +92,8 @@ def test_cache_salt_keeps_user_joint_pass():
 @pytest.mark.slow(s=75)
 def test_inductor_cpu_end_to_end_and_cache_guard(monkeypatch):
     """Real Inductor: exact loss and grads, our fwd/bwd ops in the compiled code, the AOTAutograd
-    cache hits on a recompile, and misses once our sources' hash changes."""
+    cache hits on a recompile, and misses once a setting our ops read while traced or our sources' hash
+    changes."""
     fn, _ = SPELLINGS["hf_causal_lm"]
     with fresh_cache():
         assert_parity(fn, make_inputs(), "inductor_xent", what="inductor")
@@ -104,6 +105,15 @@ def test_inductor_cpu_end_to_end_and_cache_guard(monkeypatch):
         counters.clear()
         torch.compile(fn, backend="inductor_xent")(**leaves(make_inputs()))
         assert counters["aot_autograd"]["autograd_cache_hit"] == 1
+
+        # a setting our ops read while traced (the store backward's compacted rows depend on the
+        # implementation) leaves the Dynamo graph as it was: the key must change with it
+        torch._dynamo.reset()
+        counters.clear()
+        monkeypatch.setenv("INDUCTOR_XENT_IMPL", "chunked")
+        torch.compile(fn, backend="inductor_xent")(**leaves(make_inputs()))
+        assert counters["aot_autograd"]["autograd_cache_hit"] == 0
+        assert counters["aot_autograd"]["autograd_cache_miss"] == 1
 
         torch._dynamo.reset()
         counters.clear()

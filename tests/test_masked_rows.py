@@ -352,11 +352,143 @@ def _mask_per_sequence(h, w, ids, old, adv, mask):
     return (_pg(_lp(h, w, ids), old, adv) * mask[:, :1]).sum()
 
 
-def _argmax_accuracy(h, w, ids, old, adv, mask):
+def _argmax_accuracy(h, w, ids, old, adv, mask, gate=True):
+    """GRPO's loss and the token accuracy of its argmax, masked alike (``gate``; else the mean argmax,
+    read on every row)."""
     z = _up(h @ w.t()) / TEMP
     lp = z.log_softmax(-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-    acc = ((z.argmax(-1) == ids) & mask.bool()).sum()
+    pred = z.argmax(-1)
+    acc = ((pred == ids) & mask.bool()).sum() if gate else pred.float().mean()
     return (_pg(lp, old, adv) * mask).sum() / mask.sum(), acc
+
+
+def _labels(ids, mask):
+    return torch.where(mask.bool(), ids, -100)
+
+
+def _sft_accuracy(h, w, ids, old, adv, mask):
+    """An SFT loss (ignore_index on the masked rows) and the accuracy masked by the labels."""
+    y = _labels(ids, mask)
+    z = _up(h @ w.t())
+    valid = y != -100
+    acc = ((z.argmax(-1) == y) & valid).sum() / valid.sum()
+    return F.cross_entropy(z.flatten(0, 1), y.flatten()), acc
+
+
+def _sft_accuracy_unmasked(h, w, ids, old, adv, mask):
+    """The accuracy as argmax == labels alone: an ignored label (negative) never equals an argmax."""
+    y = _labels(ids, mask)
+    z = _up(h @ w.t())
+    return F.cross_entropy(z.flatten(0, 1), y.flatten(), reduction="sum"), (z.argmax(-1) == y).float().sum()
+
+
+def _sft_accuracy_no_grad(h, w, ids, old, adv, mask):
+    """TRL's SFT token accuracy under no_grad, after the loss."""
+    y = _labels(ids, mask)
+    z = _up(h @ w.t())
+    loss = F.cross_entropy(z.flatten(0, 1), y.flatten())
+    with torch.no_grad():
+        valid = y != -100
+        acc = ((z.argmax(-1) == y) & valid).sum() / valid.sum()
+    return loss, acc
+
+
+ARGMAX = {f.__name__.lstrip("_"): f for f in (_argmax_accuracy, _sft_accuracy, _sft_accuracy_unmasked,
+                                              _sft_accuracy_no_grad)}
+
+
+def _outs_and_grads(fn, h, w, args):
+    """(loss, accuracy, grad_hidden, grad_weight) of ``fn`` (loss and accuracy)."""
+    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss, acc = fn(h, w, *args)
+    return [loss.detach(), acc, *torch.autograd.grad(loss, (h, w))]
+
+
+def _check_argmax_site(fn, problem, backend, autocast=None, exact_acc=True):
+    """``fn`` compiled with ``backend``, the masked rows' hidden states poisoned: the accuracy equal to
+    eager's (``exact_acc``; else within one prediction), loss and gradients within 4x eager's error
+    (same dtype, same autocast) against float64 eager."""
+    h, w, ids, old, adv, mask = problem
+    if autocast is not None:
+        h, w = h.to(autocast).to(h.dtype), w.to(autocast).to(w.dtype)
+    device = h.device.type
+
+    def run(f, hh, ww, args):
+        with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            return _outs_and_grads(f, hh, ww, args)
+
+    ours = run(torch.compile(fn, backend=backend), _poison(h, mask == 0), w, (ids, old, adv, mask))
+    want = run(fn, h, w, (ids, old, adv, mask))
+    exact = _outs_and_grads(fn, h.double(), w.double(), (ids, old.double(), adv.double(), mask))
+    if exact_acc:
+        assert torch.equal(ours[1], want[1]), (ours[1], want[1])
+    else:  # (bf16 logits round near-ties: the op's argmax is that of its fp32 logits)
+        assert (ours[1].double() - want[1].double()).abs().item() <= 1.0 / mask.sum().item() + 1e-6
+    for a, b, x, what in zip(ours[::2] + ours[3:], want[::2] + want[3:], exact[::2] + exact[3:],
+                             ("loss", "grad_hidden", "grad_weight")):
+        assert a.dtype == b.dtype, what
+        err, torch_err = (a.double() - x).abs().max().item(), (b.double() - x).abs().max().item()
+        assert err <= 4 * torch_err + 1e-6, (what, err, torch_err)
+
+
+@pytest.mark.parametrize("strategy", ["auto", "store"])
+@pytest.mark.parametrize("name", sorted(ARGMAX))
+def test_argmax_under_a_row_mask_skipped(name, strategy, monkeypatch):
+    """An argmax (token accuracy) next to the loss, read only through the loss's row mask, through the
+    labels' ignore_index (``argmax == labels`` is False wherever a label is negative) or both: one
+    log-probs op that skips those rows (their argmax 0 stands in, as their log-prob does); the
+    accuracy equal to eager's, loss and gradients as eager's, with those rows poisoned."""
+    if strategy == "store":
+        _store(monkeypatch)
+    fn = ARGMAX[name]
+    h, w, ids, old, adv, mask = _problem()
+    rec = Recorder()
+    ours = _outs_and_grads(torch.compile(fn, backend=rec), _poison(h, mask == 0), w, (ids, old, adv, mask))
+    (op,) = _op_calls(rec.graphs[0])
+    assert op.kwargs.get("skip_ignored") is True, op.format_node()
+    assert op.args[8] is True, "the op computes the argmax"
+    want = _outs_and_grads(fn, h, w, (ids, old, adv, mask))
+    assert torch.equal(ours[1], want[1]), (ours[1], want[1])
+    for a, b, what in zip(ours[::2] + ours[3:], want[::2] + want[3:], ("loss", "grad_hidden", "grad_weight")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+    leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())
+    (site,) = inductor_xent.explain(fn, *leaves, ids, old, adv, mask).sites
+    assert site.fused and "argmax" in site.head and "masked rows skipped" in site.reason, site.reason
+
+
+@pytest.mark.parametrize("impl", [
+    "chunked",
+    pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason=(
+        "CPU tensors run the Triton kernels only interpreted; on a GPU test_argmax_under_a_row_mask_cuda runs them"))),
+])
+def test_argmax_under_a_row_mask_bf16(impl, monkeypatch):
+    """bfloat16 (the Triton kernels interpreted: the compacted forward with the argmax partials, and
+    under ``store`` the compacted store forward): the accuracy within one prediction of eager's (ties
+    of bf16 logits), loss and gradients within eager's error."""
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", impl)
+    for strategy in ("auto", "store"):
+        if strategy == "store":
+            _store(monkeypatch)
+        counters.clear()
+        torch._dynamo.reset()
+        _check_argmax_site(_sft_accuracy, _problem(torch.bfloat16), "inductor_xent", exact_acc=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU with CUDA")
+@pytest.mark.parametrize("strategy", ["auto", "store"])
+@pytest.mark.parametrize("name", ["argmax_accuracy", "sft_accuracy_no_grad"])
+def test_argmax_under_a_row_mask_cuda(name, strategy, monkeypatch):
+    """On the GPU under autocast (bf16 operands: the compacted Triton kernels with the argmax), through
+    Inductor: the masked rows poisoned, eager autocast's numbers."""
+    if strategy == "store":
+        _store(monkeypatch)
+    rec = Recorder(**{"xent.inner": "inductor"})
+    _check_argmax_site(ARGMAX[name], _problem(torch.float32, device="cuda"), rec, autocast=torch.bfloat16,
+                       exact_acc=False)
+    (op,) = _op_calls(rec.graphs[0])
+    assert op.kwargs.get("skip_ignored") is True
+    assert (op.target is ops.LOGPROB_STORE) == (strategy == "store"), op.format_node()
 
 
 def _mask_from_values(h, w, ids, old, adv, mask):
@@ -414,7 +546,8 @@ COMPUTED = {
     "returned": (_returned, "the values are returned by the compiled function"),
     "unmasked_mean": (_unmasked_mean, "reads the values before a row mask"),
     "mask_per_sequence": (_mask_per_sequence, "reads the values before a row mask"),
-    "argmax_accuracy": (_argmax_accuracy, "an argmax head needs every row"),
+    "argmax_read_unmasked": (lambda h, w, ids, old, adv, mask: _argmax_accuracy(h, w, ids, old, adv, mask, gate=False),
+                             "reads the values before a row mask"),
     "mask_from_values": (_mask_from_values, "reads the values before a row mask"),
     # a learned weight's gradient on a skipped row would be made of the stand-in log-prob
     "advantages_require_grad": (_trl_grpo, "which requires grad"),

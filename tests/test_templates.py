@@ -822,8 +822,8 @@ def test_log_probs_store_never_reads_rows_without_gradient(monkeypatch):
 
 @pytest.mark.parametrize("store_rows, in_place", [(10**6, False), (10**6, True), (1, False), (1, True)])
 def test_log_probs_store_skips_ignored_rows(store_rows, in_place, monkeypatch):
-    """log_probs_store with ``skip_ignored``: the valid rows go first, the first S of them keep their
-    exp-logits and no kernel computes an ignored row; the backward finds the order again
+    """log_probs_store with ``skip_ignored`` (entropy and argmax asked for): the valid rows go first,
+    the first S of them keep their exp-logits and no kernel computes an ignored row (its argmax 0); the backward finds the order again
     (``compacted``). NaN in the ignored rows' hidden states leaves the outputs and gradients those of
     the valid rows alone (the same rows kept): the same bits where every row is kept, within 1e-5
     where the rows past S recompute (their vocabulary split follows their number). The ignored rows'
@@ -848,14 +848,15 @@ def test_log_probs_store_skips_ignored_rows(store_rows, in_place, monkeypatch):
     monkeypatch.setattr(launch, "stored_empty", lambda *a: tuple(x.fill_(float("nan")) for x in empty(*a)))
 
     def run(hh, tt, ga, gb, skip):
-        lp, ent, _, lse, lse_lo, e, m, st = launch.log_probs_store(hh, w, b, tt, o, True, False, store_rows, skip)
+        lp, ent, arg, lse, lse_lo, e, m, st = launch.log_probs_store(hh, w, b, tt, o, True, True, store_rows, skip)
         grads = launch.log_probs_store_backward(
             -ga, torch.zeros_like(ga), hh, w, b, tt, lse, lse_lo, o, (True, True, True), grad_entropy=gb, entropy=ent,
-            e=e, m=m, st=st, in_place=in_place, compacted=launch.store_skips(skip, False, hh.dtype))
-        return (lp, ent, lse), grads
+            e=e, m=m, st=st, in_place=in_place, compacted=launch.store_skips(skip, hh.dtype))
+        return (lp, ent, lse, arg), grads
 
-    (lp, ent, lse), (gh, gw, gb) = run(h, t, ua, ub, True)
-    (lp_v, ent_v, lse_v), (gh_v, gw_v, gb_v) = run(h[keep], t[keep], ua[keep], ub[keep], False)
+    (lp, ent, lse, arg), (gh, gw, gb) = run(h, t, ua, ub, True)
+    (lp_v, ent_v, lse_v, arg_v), (gh_v, gw_v, gb_v) = run(h[keep], t[keep], ua[keep], ub[keep], False)
+    assert torch.equal(arg[keep], arg_v) and torch.equal(arg[~keep], torch.zeros_like(arg[~keep])), "the argmax too"
     same = torch.equal if store_rows >= n else (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
     for ours, alone in ((lp, lp_v), (ent, ent_v), (lse, lse_v)):
         assert same(ours[keep], alone)

@@ -21,6 +21,10 @@ old)`` with ``old < −88``), so the rewrite makes each multiply gate ``(x * mas
 and a masked row's zero may have the other sign (eager's ``lp * 0`` is −0.0, ours +0.0), which only
 sign-sensitive math (``atan2``, ``1 / x``) can see. ``INDUCTOR_XENT_SKIP_IGNORED=0`` keeps eager's
 (no mask is applied then).
+An argmax (token accuracy) is followed the same way, its stand-in 0; ``argmax == labels`` also
+settles the rows whose label is negative (an ignore_index: eager's comparison is False there whatever
+the argmax), and a reduced cross-entropy of the same op its ``ignore_index`` rows (TRL's SFT loss with
+``((pred == y) & (y != -100)).sum()``).
 The backward never reads a skipped row's incoming gradient (the kernels and chunks mask it by the
 target), so a NaN made there by the stand-in values goes nowhere.
 """
@@ -69,8 +73,12 @@ MULTIPLY = (operator.mul, torch.mul, "mul")
 DIVIDE = (operator.truediv, torch.div, "div")
 AND = (operator.and_, torch.logical_and, "logical_and")
 WHERE = (torch.where,)
+EQUAL = (operator.eq, torch.eq, "eq")
 MASKED_FILL = (torch.masked_fill, "masked_fill")
 ZEROS = (torch.zeros_like, "new_zeros")
+# grad-mode and autocast switches (a mask of integers or booleans moves across them unchanged)
+MODE_SWITCHES = (torch._C._set_grad_enabled, torch.amp.autocast_mode._enter_autocast,
+                 torch.amp.autocast_mode._exit_autocast)
 # the walk gives up past this many nodes, the skip condition past this many clauses
 WALK_LIMIT = 2_000
 CLAUSE_LIMIT = 64
@@ -95,7 +103,10 @@ def _and(fs: list) -> frozenset:
 class Gate:
     """A node that zeroes the rows its mask zeroes: ``x * mask`` or ``x & mask`` (``kind`` "mul"),
     ``torch.where(cond, x, 0)`` ("where"), ``torch.where(cond, 0, x)`` or ``x.masked_fill(cond, 0)``
-    ("where_not"). ``mask`` has the rows' shape and no path from the site."""
+    ("where_not"); ``argmax == labels`` ("negative": False wherever a label is negative, an
+    ignore_index, whatever the argmax, which is in [0, V) in eager and 0 on a skipped row); a
+    reduced cross-entropy's own ``ignore_index`` rows ("ignore": ``node`` is the head, ``mask`` its
+    targets). ``mask`` has the rows' shape and no path from the site."""
 
     node: Node
     kind: str
@@ -115,6 +126,7 @@ class RowMask:
     skip: frozenset
     gates: list  # [Gate] of the keys in ``skip``, in graph order
     hoist: list
+    ignore_index: int = NO_IGNORE  # the site's (the "ignore" keys': rows whose target is it)
 
     def _rank(self) -> dict:
         """Each gate key's place: the graph order of its first gate."""
@@ -123,7 +135,9 @@ class RowMask:
     def describe(self) -> str:
         """The masks by the names the user gave them, as the rows they keep (``masked_fill(~m, 0)`` keeps ``m``)."""
         keys = sorted({k for c in self.skip for k in c}, key=self._rank().__getitem__)
-        return ", ".join(f"`{_not(_name(m)) if kind == 'where_not' else _name(m)}`" for kind, m in keys)
+        said = {"where_not": lambda m: _not(_name(m)), "negative": lambda m: f"{_name(m)} >= 0",
+                "ignore": lambda m: f"{_name(m)} != {self.ignore_index}"}
+        return ", ".join(f"`{said.get(kind, _name)(m)}`" for kind, m in keys)
 
     def masked_ids(self, e: Emitter, ids: Node, ignore_index: int = NO_IGNORE) -> Node:
         """``ids`` with ``ignore_index`` (the op's) on the rows the op skips, (N,) in its row order."""
@@ -132,6 +146,10 @@ class RowMask:
         for kind, m in sorted({k for c in self.skip for k in c}, key=rank.__getitem__):
             if kind == "where_not":
                 z = m
+            elif kind == "negative":
+                z = e.call(operator.lt, m, 0)
+            elif kind == "ignore":
+                z = e.call(operator.eq, m, self.ignore_index)
             elif kind == "where" and tval(m).dtype == torch.bool:
                 z = e.call(torch.logical_not, m)
             else:
@@ -159,19 +177,22 @@ class RowMask:
 
 def find(gm, plan) -> Union[RowMask, str]:
     """The ``RowMask`` of ``plan``'s site (a ``_plan.SitePlan``), or why its op computes every row."""
-    kinds = {h.kind for h, _ in plan.heads}
     if not config.skip_ignored_rows():
         return "INDUCTOR_XENT_SKIP_IGNORED=0"
-    if "argmax" in kinds:
-        return "an argmax head needs every row"
-    if not all(h.kind in ("log_probs", "entropy") or (h.kind == "cross_entropy" and h.reduction == "none")
-               for h, _ in plan.main_heads):
-        return "not a log-probs site"  # a reduced loss reads every row (reported by the ignore_index text)
+    walked = [h for h, _ in plan.main_heads if h.kind in ("log_probs", "entropy", "argmax")
+              or (h.kind == "cross_entropy" and h.reduction == "none")]
+    # a reduced loss reads every row but its ignore_index ones (the cross-entropy op skips those itself;
+    # next to an entropy or argmax, which the log-probs op serves, the rows its other heads leave too)
+    reduced = [h for h, _ in plan.main_heads if not any(h is w for w in walked)]
+    if not walked or (reduced and not plan.log_probs_op):
+        return "not a log-probs site"
+    if reduced and plan.ignore_index == NO_IGNORE:
+        return "a reduced cross-entropy without ignore_index reads every row"
     if plan.returned:
         return "the compiled function returns the logits"
     if plan.lse_users or plan.escapes or plan.siblings or _dtensor.involved(plan.logits):
         return "the logits have other users"
-    starts = [h.loss for h, _ in plan.main_heads]
+    starts = [h.loss for h in walked]
     if any(tval(n) is None for n in starts):
         return "a head's value has no example"
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -179,7 +200,11 @@ def find(gm, plan) -> Union[RowMask, str]:
     if isinstance(found, str):
         return found
     reached, sinks = found
-    gates = {u: g for u in reached if (g := _gate(u, reached)) is not None}
+    argmaxes = {h.loss for h in walked if h.kind == "argmax"}  # and their row-major views, in graph order
+    for u in sorted(reached, key=order.__getitem__):
+        if _view(u) and u.all_input_nodes and u.all_input_nodes[0] in argmaxes:
+            argmaxes.add(u)
+    gates = {u: g for u in reached if (g := _gate(u, reached, argmaxes)) is not None}
     settled = {n: NEVER for n in starts}
     for u in sorted(reached - set(starts), key=order.__getitem__):
         g = gates.get(u)
@@ -193,12 +218,16 @@ def find(gm, plan) -> Union[RowMask, str]:
         if len(settled[u]) > CLAUSE_LIMIT:
             return "the values' row masks are too many to combine"
     skip, why = None, None
+    for h in reduced:  # settled on its ignore_index rows
+        g = Gate(h.loss, "ignore", plan.target)
+        gates[h.loss] = g
+        skip = frozenset([frozenset([g.key])]) if skip is None else _and([skip, frozenset([frozenset([g.key])])])
     for u, n in sinks:
         skip = settled[n] if skip is None else _and([skip, settled[n]])
         if frozenset() in skip:
             why = _reads(u)
             break
-    if why or skip is None:
+    if why or skip is None or not sinks:
         return why or "no use of the values passes a row mask"
     keys = {k for c in skip for k in c}
     used = sorted((g for g in gates.values() if g.key in keys), key=lambda g: order[g.node])
@@ -210,7 +239,7 @@ def find(gm, plan) -> Union[RowMask, str]:
                   None)
     if writer is not None:
         return f"{writer.name} writes a tensor between the op and the row masks"
-    return RowMask(skip, used, late)
+    return RowMask(skip, used, late, int(plan.ignore_index))
 
 
 def _walk(starts: list, owned: set) -> Union[tuple[set, list], str]:
@@ -257,10 +286,17 @@ def _reads_shape_of(u: Node, n: Node) -> bool:
     return False
 
 
-def _gate(u: Node, reached: set) -> Optional[Gate]:
-    """``u`` (a node the walk reached) as a gate of one of its inputs the walk reached, or None."""
+def _gate(u: Node, reached: set, argmaxes: frozenset = frozenset()) -> Optional[Gate]:
+    """``u`` (a node the walk reached) as a gate of one of its inputs the walk reached, or None.
+    ``argmaxes``: the argmax heads' values and their row-major views."""
     out = tval(u)
-    if is_call(u, MULTIPLY + AND) and len(u.args) == 2 and not u.kwargs:
+    if is_call(u, EQUAL) and len(u.args) == 2 and not u.kwargs:
+        a, b = u.args
+        for x, m in ((a, b), (b, a)):
+            t = tval(m)
+            if x in argmaxes and _is_mask(m, out, reached) and not t.dtype.is_floating_point and t.dtype != torch.bool:
+                return Gate(u, "negative", m)
+    elif is_call(u, MULTIPLY + AND) and len(u.args) == 2 and not u.kwargs:
         a, b = u.args
         for x, m in ((a, b), (b, a)):
             if x in reached and _is_mask(m, out, reached) and _same_shape(tval(x), out):
@@ -340,7 +376,8 @@ def _reads(u: Node) -> str:
 def _late_masks(gm, gates: list, order: dict, anchor: Node, forbidden: set) -> Union[list, str]:
     """The masks' computations after ``anchor`` (the op's place), to move before it; why not when one
     reads the site's values or logits, is not a pure call, draws random numbers, or a grad-mode or
-    autocast change lies between (moved, it would compute under another mode)."""
+    autocast change lies between and one of them is a float tensor (moved, it would compute under
+    another mode; integer and boolean masks come out the same)."""
     late, stack = set(), [g.mask for g in gates]
     while stack:
         n = stack.pop()
@@ -355,8 +392,10 @@ def _late_masks(gm, gates: list, order: dict, anchor: Node, forbidden: set) -> U
         stack.extend(n.all_input_nodes)
     if late:
         last = max(order[n] for n in late)
-        mode = next((n for n in gm.graph.nodes if order[anchor] <= order[n] < last
-                     and n.is_impure()), None)  # (grad mode and autocast switches are impure calls)
+        # (grad mode and autocast switches are impure calls; they change no integer or boolean result)
+        exact = all(tval(n) is not None and not tval(n).is_floating_point() for n in late)
+        mode = next((n for n in gm.graph.nodes if order[anchor] <= order[n] < last and n.is_impure()
+                     and not (exact and n.op == "call_function" and n.target in MODE_SWITCHES)), None)
         if mode is not None:
             return (f"the row mask is computed after {_spelling(mode)} (a grad-mode or autocast switch, or a call with "
                     "side effects) and cannot move before the op")

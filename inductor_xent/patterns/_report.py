@@ -131,6 +131,8 @@ def _ignored_rows(plan: SitePlan, how: strategy.GradientPlan) -> str:
     if plan.row_mask_why and plan.ignore_index == NO_IGNORE and any(
             h.kind in ("log_probs", "entropy") for h, _ in plan.heads):
         return f"every row computed ({plan.row_mask_why})"
+    if plan.row_mask_why and plan.log_probs_op and not plan.per_row_store and plan.ignore_index != NO_IGNORE:
+        return f"ignored rows computed ({plan.row_mask_why})"  # an entropy or argmax read on them
     if plan.ignore_index == NO_IGNORE or (plan.log_probs_op and not plan.per_row_store):
         return ""
     if plan.returned:

@@ -130,17 +130,18 @@ def forward(
     return loss, lse, lse_lo
 
 
-def _valid_rows_pass(hidden, weight, bias, target, opts, cfg, outs, entropy=None) -> None:
+def _valid_rows_pass(hidden, weight, bias, target, opts, cfg, outs, entropy=None, argmax=None) -> None:
     """``_forward_pass`` over the valid rows alone, graph-safe: they go first on the device
-    (rows.compact), the row blocks past their count exit at once, and ``outs`` (and ``entropy``)
-    receive the valid rows' values in row order, 0 on the ignored rows. The vocabulary split is
-    the one of all N rows: a valid row's values are the bits of the dense pass."""
+    (rows.compact), the row blocks past their count exit at once, and ``outs`` (and ``entropy``,
+    ``argmax``) receive the valid rows' values in row order, 0 on the ignored rows. The vocabulary
+    split is the one of all N rows: a valid row's values are the bits of the dense pass."""
     order, count = rows.compact(target != opts.ignore_index)
     h, t = hidden.index_select(0, order), target.index_select(0, order)
-    dest = (*outs, *(() if entropy is None else (entropy,)))
+    extra = {k: x for k, x in (("entropy", entropy), ("argmax", argmax)) if x is not None}
+    dest = (*outs, *extra.values())
     tmp = [torch.empty_like(x) for x in dest]
     _forward_pass(h, weight, bias, t, opts, cfg, *_splits(cfg, hidden, weight.shape[0]), tuple(tmp[:3]),
-                  entropy=None if entropy is None else tmp[3], count=count)
+                  count=count, **dict(zip(extra, tmp[3:])))
     for x, y in zip(dest, _in_row_order(tmp, order, count)):
         x.copy_(y)
 
@@ -149,7 +150,7 @@ def _in_row_order(values, order: Tensor, count: Tensor) -> list[Tensor]:
     """Per-row values of compacted rows (row r is row ``order[r]``) back in row order, 0 on the rows
     past ``count`` (whatever their memory held); empty tensors (an output not asked for) as they are."""
     kept = torch.arange(order.shape[0], device=order.device) < count
-    return [torch.zeros_like(x).index_copy_(0, order, torch.where(kept, x, 0.0)) if x.numel() else x
+    return [torch.zeros_like(x).index_copy_(0, order, torch.where(kept, x, 0)) if x.numel() else x
             for x in values]
 
 
@@ -167,7 +168,8 @@ def log_probs_forward(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(log_probs, entropy, argmax, lse, lse_lo), (N,) each: the forward kernel with the entropy
     and argmax partials; log_probs = −loss. entropy (fp32) and argmax (int64) are (0,) where not
-    asked for. ``skip_ignored`` as ``forward``'s, where no argmax is asked for (it needs every row)."""
+    asked for. ``skip_ignored`` as ``forward``'s: an ignored row's values are 0, its argmax too (the
+    caller reads no ignored row's argmax)."""
     n = hidden.shape[0]
     dev = hidden.device
     loss, lse, lse_lo = (torch.empty(n, dtype=torch.float32, device=dev) for _ in range(3))
@@ -175,9 +177,9 @@ def log_probs_forward(
     argmax = torch.empty(n if need_argmax else 0, dtype=torch.long, device=dev)
     if n > 0:
         cfg = cfg or configs.forward_config(hidden.dtype)
-        if skip_ignored and not need_argmax and rows.compacts(hidden.dtype):
+        if skip_ignored and rows.compacts(hidden.dtype):
             _valid_rows_pass(hidden, weight, bias, target, opts, cfg, (loss, lse, lse_lo),
-                             entropy if need_entropy else None)
+                             entropy if need_entropy else None, argmax if need_argmax else None)
         else:
             _forward_pass(hidden, weight, bias, target, opts, cfg, *_splits(cfg, hidden, weight.shape[0]),
                           (loss, lse, lse_lo), entropy=entropy if need_entropy else None,
@@ -485,12 +487,11 @@ def log_probs_store(
     first S of them keep their exp-logits and neither kernel computes a row past their count; the
     per-row outputs come back in row order (0 on the ignored rows), ``e``, ``m`` and ``st`` stay in
     the valid-first order, which ``log_probs_store_backward(compacted=True)`` finds again."""
-    if store_skips(skip_ignored, need_argmax, hidden.dtype):
+    if store_skips(skip_ignored, hidden.dtype):
         order, valid_count = rows.compact(target != opts.ignore_index)
         out = log_probs_store(hidden.index_select(0, order), weight, bias, target.index_select(0, order), opts,
-                              need_entropy, False, store_rows, count=valid_count)
-        back = _in_row_order((*out[:2], *out[3:5]), order, valid_count)
-        return back[0], back[1], out[2], back[2], back[3], *out[5:]
+                              need_entropy, need_argmax, store_rows, count=valid_count)
+        return (*_in_row_order(out[:5], order, valid_count), *out[5:])
     n = hidden.shape[0]
     v = weight.shape[0]
     dev = hidden.device
@@ -590,10 +591,10 @@ def _store_backward_parts(grad_loss, grad_lse, hidden, weight, bias, target, lse
     return grads
 
 
-def store_skips(skip_ignored: bool, need_argmax: bool, dtype: torch.dtype) -> bool:
+def store_skips(skip_ignored: bool, dtype: torch.dtype) -> bool:
     """Whether ``log_probs_store`` with these arguments computes the valid rows alone (and keeps
-    them valid-first): asked to, no argmax (it needs every row), and rows the backward compacts."""
-    return skip_ignored and not need_argmax and rows.compacts(dtype)
+    them valid-first): asked to, and rows the backward compacts."""
+    return skip_ignored and rows.compacts(dtype)
 
 
 def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse_lo, opts, needs, stored, add_to,
