@@ -456,6 +456,39 @@ def test_argmax_under_a_row_mask_skipped(name, strategy, monkeypatch):
     assert site.fused and "argmax" in site.head and "masked rows skipped" in site.reason, site.reason
 
 
+def _hf_loss_shifted_accuracy(h, w, y):
+    """transformers' causal-LM loss (labels padded with -100 and shifted: every row of the logits) and
+    the token accuracy of ``logits[..., :-1, :]`` against ``labels[..., 1:]``, as a training step
+    spells it: two row sets of one lm_head."""
+    z = _up(h @ w.t())
+    labels = F.pad(y, (0, 1), value=-100)[..., 1:]
+    loss = F.cross_entropy(z.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    shift = y[..., 1:]
+    valid = shift != -100
+    return loss, ((z[..., :-1, :].argmax(-1) == shift) & valid).sum() / valid.sum()
+
+
+def test_accuracy_of_shifted_logits_next_to_the_padded_loss():
+    """The argmax of a row slice next to a loss over every row: two sites (the argmax's own op, one
+    forward GEMM over its valid rows), not a decline of both; the rows no label reads poisoned, the
+    loss and gradients as eager's, the accuracy equal."""
+    h, w, ids, old, adv, mask = _problem()
+    y = _labels(ids, mask)
+    unread = F.pad(y, (0, 1), value=-100)[..., 1:] == -100
+    rec = Recorder()
+    ours = _outs_and_grads(torch.compile(_hf_loss_shifted_accuracy, backend=rec), _poison(h, unread), w, (y,))
+    ops_ = _op_calls(rec.graphs[0])
+    assert [op.target for op in ops_] == [ops.FORWARD, ops.LOGPROB_FORWARD], [op.format_node() for op in ops_]
+    assert all(op.kwargs.get("skip_ignored") is True for op in ops_)
+    assert counters["inductor_xent"]["sites_fused"] == 2 and counters["inductor_xent"]["sites_declined"] == 0
+    want = _outs_and_grads(_hf_loss_shifted_accuracy, h, w, (y,))
+    assert torch.equal(ours[1], want[1]), (ours[1], want[1])
+    for a, b, what in zip(ours[::2] + ours[3:], want[::2] + want[3:], ("loss", "grad_hidden", "grad_weight")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}")
+    sites = inductor_xent.explain(_hf_loss_shifted_accuracy, h, w, y).sites
+    assert [(s.fused, s.head) for s in sites] == [(True, "cross_entropy"), (True, "argmax")], str(sites)
+
+
 @pytest.mark.parametrize("impl", [
     "chunked",
     pytest.param("triton", marks=pytest.mark.skipif(torch.cuda.is_available(), reason=(

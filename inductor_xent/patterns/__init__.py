@@ -252,8 +252,10 @@ def _analyse(gm, node: Node, idioms: list, candidates: dict, allow_escaping: boo
     if declined or walked is None:  # the idiom's own reason first, whatever the walk found
         return Analysis(found.pattern, node.name, (found.kind,), walked, found if declined else chain, [])
     others = _other_heads(found, chain, candidates)
-    # heads of other row slices of the same logits are sites of their own (analysed in turn)
-    siblings = [(h, c) for h, c in others if _logits.other_rows(chain, c)]
+    # heads of other row slices of the same logits are sites of their own (analysed in turn), and so is
+    # an argmax of a row slice next to heads of every row, or the reverse (no gradient: one forward GEMM)
+    siblings = [(h, c) for h, c in others if _logits.other_rows(chain, c) or (
+        "argmax" in (h.kind, found.kind) and _logits.sliced_rows(chain, c))]
     pairs = [(found, chain), *(p for p in others if p not in siblings)]
     heads = [h for h, _ in pairs]
     kinds = tuple(k for k in HEAD_KINDS if any(h.kind == k for h in heads))

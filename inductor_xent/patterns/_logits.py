@@ -159,8 +159,23 @@ def other_rows(a: LogitsChain, b: LogitsChain) -> bool:
     its own, with the slice pushed onto the hidden states."""
     if a.matmul is not b.matmul or same_logits(a, b):
         return False
+    return all(_sliced_apart(a, b, c) for c in (a, b))
+
+
+def sliced_rows(a: LogitsChain, b: LogitsChain) -> bool:
+    """True when ``a`` and ``b`` walk back to one matmul and one of them reads a row slice of the
+    logits the other reads (TRL's token accuracy on ``logits[..., :-1, :]`` next to HF's loss over
+    every row with padded labels): an argmax there is a site of its own (one more forward GEMM over
+    its rows, none of the [N, V] logits) rather than a decline of both."""
+    if a.matmul is not b.matmul or same_logits(a, b):
+        return False
+    return any(_sliced_apart(a, b, c) for c in (a, b))
+
+
+def _sliced_apart(a: LogitsChain, b: LogitsChain, c: LogitsChain) -> bool:
+    """``c`` (``a`` or ``b``) slices its rows after the node where the two walks part."""
     k = next((i for i, (x, y) in enumerate(zip(a.nodes, b.nodes)) if x is not y), min(len(a.nodes), len(b.nodes)))
-    return all(any(i >= k and isinstance(op, Slice) for i, op in c.shape_ops) for c in (a, b))
+    return any(i >= k and isinstance(op, Slice) for i, op in c.shape_ops)
 
 
 def _einsum_weight(node: Any) -> Optional[tuple[Node, Node, bool]]:
