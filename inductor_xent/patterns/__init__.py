@@ -97,6 +97,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
             found.outcome.apart = apart.get(found.outcome.first.loss, "")
             _row_mask(gm, found.outcome)
             how = _plan.gradients(found.outcome, strategy, store_budget)
+            found.outcome.per_row_store = _plan.per_row_store(found.outcome, how)
             avoided = _rewrite.rewrite(gm, found.outcome, how, erased)
             site = _report.fused(found.pattern, found.node, found.kinds, found.outcome, how, avoided)
         else:

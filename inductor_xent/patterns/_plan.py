@@ -90,7 +90,7 @@ class SitePlan:
     row_mask: Optional[_masked.RowMask] = None
     row_mask_why: str = ""
     # per-row heads only (log-probs, cross-entropy with reduction "none") kept by the log-probs op's
-    # store (gradients(): the cross-entropy op stores a reduced loss only)
+    # store (per_row_store(): the cross-entropy op stores a reduced loss only)
     per_row_store: bool = False
     # replaced nodes (heads' values, logsumexps) that eager computes without gradient inside a grad-mode
     # change (a torch.no_grad() block after the op's first head): their replacements are detached
@@ -518,6 +518,14 @@ def _carries_grad(n: Node) -> bool:
     return t is None or (isinstance(t, torch.Tensor) and t.requires_grad)
 
 
+def per_row_store(p: SitePlan, how: strategy.GradientPlan) -> bool:
+    """Whether per-token heads alone (``_per_row_heads``: no entropy or argmax, which the log-probs op
+    serves anyway) go to the log-probs op because ``how`` (``gradients``' plan) stores: the cross-entropy
+    op's store keeps a reduced loss only. Sets ``SitePlan.per_row_store`` before the rewrite."""
+    return how.strategy == "store" and not any(h.kind in ("entropy", "argmax") for h, _ in p.heads) \
+        and _per_row_heads(p)
+
+
 def _per_row_heads(p: SitePlan) -> bool:
     """Every head the op serves is per row (log-probs, a cross-entropy with reduction "none" and no
     label smoothing: RL's token log-probs) and the log-probs op can serve them (no returned logits)."""
@@ -550,12 +558,8 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
                                          p.dtype, needs=p.needs, strategy=which, budget=budget,
                                          device=tx.device.type)
 
-    if p.log_probs_op:  # per-row heads (log-probs, entropy, argmax): their own store (strategy.py)
+    if p.log_probs_op or _per_row_heads(p):  # per-row heads: the log-probs op's own store (strategy.py)
         return per_row()
-    if _per_row_heads(p):  # per-token gradients: the log-probs op's store where it is chosen (else why not)
-        how = per_row()
-        p.per_row_store = how.strategy == "store"
-        return how
     reduced = len(main) == 1 and site.kind == "cross_entropy"  # store gives one reduced loss
     return strategy.choose(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype, p.dtype,
                            reduction=site.reduction if reduced else "none", needs=p.needs,
