@@ -385,6 +385,8 @@ def test_heads_under_no_grad_carry_no_gradient(name):
     assert fused_ops(rec.after[0]) == 1 and counters["inductor_xent"]["sites_declined"] == 0
     assert [o.requires_grad for o in got] == [o.requires_grad for o in want]
     assert "_set_grad_enabled" in rec.code_after[0], "the no_grad block stays around what it held"
+    (site,) = inductor_xent.explain(fn, **ins).sites
+    assert "heads inside a grad-mode switch (torch.no_grad()) without gradient" in site.reason, site.reason
 
 
 def test_ignored_rows_keep_their_entropy():

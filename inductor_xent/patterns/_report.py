@@ -97,6 +97,7 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
         chain.shift and f"sigmoid softcap: {chain.shift:g} added after it (no softmax sees it)",
         chain.row_scaled and "per-row temperature pushed onto the hidden states",
         any(c.detached for _, c in plan.heads) and "logits.detach() heads without gradient",
+        plan.no_grad and "heads inside a grad-mode switch (torch.no_grad()) without gradient",
         chain.weight_scale is not None and "tensor scale folded into the weight",
         chain.sliced and "slice pushed onto the hidden states",
         _stacked(chain) and "one of several stacked heads (torch.stack(heads)[:, k])",
