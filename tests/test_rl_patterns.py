@@ -188,6 +188,16 @@ def _lse_no_grad(x, W, y, **_):
     return loss, logged
 
 
+def _temperature_made_under_no_grad(x, W, yv, **_):
+    """The per-row temperature computed inside the no_grad block that holds the first head: the op
+    stays inside the block, after it (not before the block, where the temperature does not exist)."""
+    z = F.linear(x, W)
+    with torch.no_grad():
+        zt = z / torch.full_like(yv, 2, dtype=z.dtype)[..., None]
+        entropy = -(zt.softmax(-1) * zt.log_softmax(-1)).sum(-1)
+    return entropy, zt.log_softmax(-1).gather(-1, yv[..., None])
+
+
 FWD, LP = ops.FORWARD, ops.LOGPROB_FORWARD
 SPELLINGS = {
     "gather_log_softmax": (_gather_log_softmax, "log_probs", FWD, ()),
@@ -209,6 +219,7 @@ SPELLINGS = {
     "entropy_no_grad_in_loss": (_entropy_no_grad_in_loss, "log_probs+entropy", LP, ()),
     "accuracy_under_no_grad": (_accuracy_no_grad, "cross_entropy+argmax", LP, (1,)),
     "logsumexp_logged_under_no_grad": (_lse_no_grad, "cross_entropy", FWD, ()),
+    "temperature_made_under_no_grad": (_temperature_made_under_no_grad, "log_probs+entropy", LP, ()),
 }
 
 
@@ -373,7 +384,7 @@ def test_under_autocast_within_torch_error(name):
 
 
 @pytest.mark.parametrize("name", ["entropy_under_no_grad", "entropy_no_grad_in_loss", "accuracy_under_no_grad",
-                                  "logsumexp_logged_under_no_grad"])
+                                  "logsumexp_logged_under_no_grad", "temperature_made_under_no_grad"])
 def test_heads_under_no_grad_carry_no_gradient(name):
     """A head computed inside ``torch.no_grad()`` next to trained ones: the op runs with gradient
     (before the block, where the lm_head is), and each output carries a gradient exactly where eager's

@@ -476,12 +476,17 @@ def _mode_at(changes: list, order: dict, node: Node) -> Optional[bool]:
 def _op_place(gm, order: dict, chain: LogitsChain, first: Node) -> Node:
     """The node the op is placed before: the first node it replaces, or where that runs in another
     grad mode than the lm_head matmul (a head inside a ``torch.no_grad()`` block first in the graph),
-    the first mode switch after the matmul: the op runs in the matmul's mode."""
+    the first mode switch after the matmul: the op runs in the matmul's mode (when all it reads is
+    computed before that switch)."""
     changes = _mode_changes(gm, order)
     between = [c for c in changes if order[chain.matmul] < order[c] < order[first]]
-    if between and _mode_at(changes, order, first) != _mode_at(changes, order, chain.matmul):
-        return between[0]
-    return first
+    if not between or _mode_at(changes, order, first) == _mode_at(changes, order, chain.matmul):
+        return first
+    # what the op reads besides the logits' own nodes (a temperature tensor, a scale) must exist there
+    # already; else it stays at its first node (and _grad_modes says whether that mode will do)
+    chain_nodes = set(chain.nodes)
+    read = {a for n in chain.nodes for a in n.all_input_nodes if a not in chain_nodes}
+    return between[0] if all(order[a] < order[between[0]] for a in read) else first
 
 
 def _grad_modes(gm, order: dict, chain: LogitsChain, anchor: Node, replaced: list) -> Union[frozenset, str, None]:
