@@ -16,6 +16,8 @@ What is timed, at the llama3-8b head by default (bf16):
   top-p set (p = 0.9, HF's ``TopPLogitsWarper`` rule), ``linear_log_probs(..., top_p=0.9)`` against
   the warper written out over the logits, eagerly and under torch.compile. Only when named in
   ``--methods`` (not in the default list): the sort over the vocabulary is slow to compile and time.
+  ``--logit-std`` sets the logits' spread: at the default 1 (gauss data) a kept set holds most of the
+  vocabulary; at 4 tens of columns, as an LLM's (the median and largest kept-set sizes are printed).
 
 Forward alone and forward + backward (the values' gradient a random [N, k] tensor; the kept-set
 rows' a random [N]) with the extra peak memory of each. Accounting: median of
@@ -142,10 +144,24 @@ def interleaved(fns, chosen, h, w, ids, ms, count: int) -> Optional[dict]:
     return {"ms": times, "ratios": [o / c for o, c in zip(times["ours"], times["cublas"])]}
 
 
+def kept_sizes(h, w) -> tuple[int, int]:
+    """The median and largest top-p kept-set size over the rows (a few row blocks at a time)."""
+    sizes = []
+    with torch.no_grad():
+        for start in range(0, h.shape[0], 1024):
+            u = F.linear(h[start:start + 1024], w).float() / T
+            p = torch.sort(torch.softmax(u, -1), -1, descending=True).values
+            sizes.append(((p.cumsum(-1) - p) < TOP_P).sum(-1))
+    sizes = torch.cat(sizes)
+    return int(sizes.median()), int(sizes.max())
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     bk.head_args(ap)
     ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--logit-std", type=float, default=1.0,
+                    help="the logits' standard deviation (hidden states scaled): 1 flat rows, 4 an LLM's peaked ones")
     ap.add_argument("--rounds", type=int, default=0,
                     help="then the forwards of cublas, ours and ours_compiled (those chosen) interleaved over "
                          "this many rounds, the order rotated: the target's ratio is the median of the per-round "
@@ -154,7 +170,7 @@ def main(argv=None) -> int:
     n, d, v = bk.head_shape(args)
     g = torch.Generator().manual_seed(0)
     dtype = torch.bfloat16
-    h = (torch.randn(n, d, generator=g) / d**0.25).to(args.device, dtype)
+    h = (torch.randn(n, d, generator=g) * (args.logit_std / d**0.25)).to(args.device, dtype)
     w = (torch.randn(v, d, generator=g) / d**0.25).to(args.device, dtype)
     k = min(args.k, v)
     fns = methods(k)
@@ -168,6 +184,10 @@ def main(argv=None) -> int:
         pick = torch.multinomial(torch.softmax(top.values, -1), 1, generator=None)[:, 0]
         ids = top.indices.gather(1, pick[:, None])[:, 0]
         del top
+    sizes = kept_sizes(h, w) if any(m.startswith("nucleus") for m in chosen) else None
+    if sizes:
+        print(f"kept sets at top_p={TOP_P}, T={T}, logit std {args.logit_std}: median {sizes[0]} columns, "
+              f"largest {sizes[1]}", flush=True)
     rows = []
     for name in chosen:
         rows.append(measure(name, fns[name], h, w, ids, k, ms, args.device))
@@ -198,7 +218,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         info = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                "date": time.strftime("%Y-%m-%d")}
+                "date": time.strftime("%Y-%m-%d"), "logit_std": args.logit_std, "kept_sizes": sizes}
         (Path(args.out) / "bench_topk.json").write_text(json.dumps({"info": info, "rows": rows, "rounds": rounds},
                                                                    indent=1))
     return 0

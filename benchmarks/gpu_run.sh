@@ -30,7 +30,8 @@
 #           each sequence ignored, GKD-style, e.g. DISTILL_METHODS=compile,ours,ours_dense)
 #   topk    the top-k head (k = 64, log-probs at T = 0.7) and the kept-set log-probs at llama3-8b against cuBLAS's
 #           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides; TOPK_ROUNDS: then the forwards
-#           of cuBLAS and ours interleaved over that many rounds)
+#           of cuBLAS and ours interleaved over that many rounds; TOPK_LOGIT_STD: the logits' spread, e.g. 4 for an
+#           LLM's kept sets of tens of columns with TOPK_METHODS=cublas,nucleus_ours,nucleus_compile)
 #   mtp     multi-token prediction through one lm_head at llama3-8b, main head + 1 depth (bench_mtp.py):
 #           compile, the pass's one shared op, one op per site, cuBLAS (MTP_DEPTHS, MTP_ROUNDS override)
 #   bicost  INDUCTOR_XENT_BATCH_INVARIANT=1 against off at the qwen2.5-7b RL head, forward and step, 3 rounds
@@ -146,8 +147,8 @@ for step in ${STEPS//,/ }; do
         distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick --rounds ${DISTILL_ROUNDS:-0} \
                    ${DISTILL_METHODS:+--methods $DISTILL_METHODS} ${DISTILL_PROMPT:+--prompt $DISTILL_PROMPT} --out "$OUT" 2>&1 \
                    | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
-        topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick --rounds ${TOPK_ROUNDS:-0} ${TOPK_METHODS:+--methods $TOPK_METHODS} --out "$OUT" 2>&1 \
-                   | tee "$OUT/topk.log" | grep -E "^\||^target|rror" ;;
+        topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick --rounds ${TOPK_ROUNDS:-0} ${TOPK_METHODS:+--methods $TOPK_METHODS} \
+                   ${TOPK_LOGIT_STD:+--logit-std $TOPK_LOGIT_STD} --out "$OUT" 2>&1 | tee "$OUT/topk.log" | grep -E "^\||^target|^kept|rror" ;;
         mtp)   timeout ${MTP_S:-200} python3 benchmarks/bench_mtp.py --quick --depths ${MTP_DEPTHS:-1} --rounds ${MTP_ROUNDS:-3} \
                    --out "$OUT" 2>&1 | tee "$OUT/mtp.log" | grep -E "^\||^mtp|rror" ;;
         probe) timeout ${PROBE_S:-120} python3 ${PROBE:-scratch/bi_probe.py} 2>&1 | tee "$OUT/probe.log" | tail -60 ;;

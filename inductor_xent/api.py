@@ -164,9 +164,10 @@ def linear_log_probs(
     logits, largest first, whose probability reaches ``top_p`` (after ``top_k`` when both are given,
     renormalised over the top-k first, as vLLM and HF apply them; a column is kept while the mass
     before it is below ``top_p``). The log-probs are over that set (``−inf`` outside it), with
-    gradients as eager's masked log-softmax. It runs ``inductor_xent::linear_nucleus_logprob``: each
-    row chunk's logits sorted (O(chunk·V) memory, no ``[N, V]`` tensor), its backward recomputing
-    them (not sorting them: each row's kept set is rebuilt from the forward's edge column); ``entropy``
+    gradients as eager's masked log-softmax. It runs ``inductor_xent::linear_nucleus_logprob`` over
+    row chunks (O(chunk·V) memory, no ``[N, V]`` tensor): a row whose 256 largest logits hold its kept
+    set reads it from them, the others are sorted; its backward recomputes the logits (not sorting
+    them: each row's kept set is rebuilt from the forward's edge column); ``entropy``
     and ``argmax`` are not computed with ``top_p`` (a ``ValueError``). A kept set decided within
     rounding of the rollout engine's (its mass at ``top_p`` exactly) may differ.
     """

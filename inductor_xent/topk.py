@@ -1,6 +1,7 @@
 """Per-row top-k of an lm_head's logits or log-probs without the ``[N, V]`` logits (issue 25, item 2),
 the log-probs renormalised over each row's top-k kept set built on it, and over a top-p (nucleus)
-kept set (item 3: ``inductor_xent::linear_nucleus_logprob``, each row chunk's logits sorted).
+kept set (item 3: ``inductor_xent::linear_nucleus_logprob``: each row's kept set from its largest
+logits where they hold it, else from the row sorted).
 
 With ``u = softcap·tanh(z·scale/softcap)`` (``u = z·scale`` without a softcap; a temperature ``T``
 is folded in as for the log-prob op, ``options.fold_temperature``) and ``z = hidden @ weight.T + bias``:
@@ -324,44 +325,133 @@ TOPK_BACKWARD = torch.ops.inductor_xent.linear_topk_bwd.default
 
 
 # ---------------------------------------------------------------------------------------------
-# top-p (nucleus) kept sets: each chunk's logits sorted, the kept prefix, its logsumexp
+# top-p (nucleus) kept sets: a prefix of each row's logits in descending order, its logsumexp
 # ---------------------------------------------------------------------------------------------
-def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float) -> Tensor:
+# The kept set of an LLM's row rarely reaches past its few hundred largest logits (top_p <= 0.95 at
+# T <= 1), yet sorting every row of 128k columns costs ten logits GEMMs. A row whose NUCLEUS_CANDIDATES
+# largest logits can hold its kept set reads it from them (row_topk: no sort); the others, flat rows
+# among them, sort the whole row. Both give the same set: a prefix's mass depends on its values only.
+NUCLEUS_CANDIDATES = 256
+
+
+def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float,
+                 lse: Optional[Tensor] = None) -> Tensor:
     """The kept mask over one chunk's logits sorted in descending order (``s``, compute dtype): the
     first ``k_rows`` columns of each row (all without it), then of those the smallest prefix whose
     renormalised probability reaches the row's ``p_rows`` (without it ``top_p``; a column is kept
     while the mass before it is below it: the first always; HF's and vLLM's rule, ``cumsum(ascending)
-    <= 1 − top_p`` removed). A row's p of 1 keeps every column, as a float ``top_p`` of 1 does."""
+    <= 1 − top_p`` removed). A row's p of 1 keeps every column, as a float ``top_p`` of 1 does.
+    ``lse``: each row's logsumexp over all its columns, where ``s`` holds only its largest ones
+    (without ``k_rows``; with it, ``s`` holds at least the first ``k_rows``)."""
     keep = torch.ones_like(s, dtype=torch.bool)
     if k_rows is not None:
         keep &= torch.arange(s.shape[1], device=s.device)[None, :] < k_rows[:, None]
     if p_rows is not None or top_p < 1.0:
-        p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
-        bound = top_p if p_rows is None else torch.where(p_rows >= 1.0, float("inf"), p_rows.to(s.dtype))[:, None]
-        keep &= (p.cumsum(-1) - p) < bound
+        if lse is None or k_rows is not None:
+            p = torch.softmax(s.masked_fill(~keep, float("-inf")), dim=-1)
+        else:
+            p = torch.exp(s - lse[:, None])
+        keep &= (p.cumsum(-1) - p) < _bound(p_rows, top_p, s.dtype)
     keep[:, 0] = True  # the largest column always (a p <= 0 would keep none)
     return keep
 
 
+def _bound(p_rows: Optional[Tensor], top_p: float, dtype: torch.dtype) -> Union[float, Tensor]:
+    """The kept mass of each row, (r, 1) (a row's p of 1 keeps every column), or ``top_p``."""
+    return top_p if p_rows is None else torch.where(p_rows >= 1.0, float("inf"), p_rows.to(dtype))[:, None]
+
+
+def _prefix_edges(s: Tensor, keep_sorted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(count, logsumexp, edge value) of each row's kept prefix of ``s`` (sorted in descending
+    order; the prefix up to ``keep_sorted``'s first dropped column)."""
+    count = torch.where(keep_sorted.all(1), keep_sorted.shape[1], (~keep_sorted).int().argmax(1))[:, None]
+    cols = torch.arange(s.shape[1], device=s.device)[None, :]
+    lse = torch.logsumexp(s.masked_fill(cols >= count, float("-inf")), dim=-1)
+    return count, lse, s.gather(1, count - 1)[:, 0]
+
+
+def _sorted_edges(u: Tensor, k_rows, p_rows, top_p, lse_all: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """(logsumexp over the kept set, its last column in the stable descending order) of each row of
+    ``u``, from the whole rows sorted (``lse_all``: their logsumexp, when known)."""
+    s, order = torch.sort(u, dim=-1, descending=True, stable=True)  # stable: ties in column order
+    count, lse, _ = _prefix_edges(s, _kept_sorted(s, k_rows, p_rows, top_p, lse_all))
+    return lse, order.gather(1, count - 1)[:, 0]
+
+
+def _candidate_rows(u: Tensor, k_rows, p_rows, top_p, width: int) -> tuple[Tensor, Tensor]:
+    """(the rows whose ``width`` largest logits may hold their kept set, each row's logsumexp). With
+    ``k_rows``, rows of k <= width; without it, rows of p < 1 whose largest probability times width
+    reaches p (else the first width columns hold less than p: the set goes on). Rows holding NaN or
+    +inf sort whole, as eager does."""
+    lse = torch.logsumexp(u, -1)
+    if k_rows is not None:
+        maybe = k_rows <= width
+    else:
+        p = torch.full_like(lse, top_p) if p_rows is None else p_rows.to(lse.dtype)
+        maybe = (p < 1.0) & (width * torch.exp(u.amax(-1) - lse) >= 0.99 * p)
+    return (maybe & torch.isfinite(lse)).nonzero()[:, 0], lse
+
+
+def _candidate_edges(u: Tensor, lse_all: Tensor, k_rows, p_rows, top_p, width: int,
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logsumexp over the kept set, the edge's value, how many columns of that value the set keeps,
+    found) of each row of ``u`` from its ``width`` largest logits; ``found`` is False where the kept
+    set may go on past them."""
+    s = row_topk(u, width)[0]  # largest first
+    count, lse, edge_value = _prefix_edges(s, _kept_sorted(s, k_rows, p_rows, top_p, lse_all))
+    found = count[:, 0] < width if k_rows is None else torch.ones_like(lse, dtype=torch.bool)
+    cols = torch.arange(width, device=u.device)[None, :]
+    ties = ((s == edge_value[:, None]) & (cols < count)).sum(1)
+    return lse, edge_value, ties, found
+
+
+def _edge_columns(u: Tensor, edge_value: Tensor, ties: Tensor) -> Tensor:
+    """The last kept column in the stable descending order of each row of ``u``: among the columns
+    equal to the edge's value, the one whose rank in column order is the number of them kept."""
+    rank = (u == edge_value[:, None]).cumsum(-1, dtype=torch.int32)
+    return (rank < ties[:, None]).sum(-1)
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _nucleus_edges(u: Tensor, k_rows, p_rows, top_p) -> tuple[Tensor, Tensor]:
+    """(logsumexp over the kept set, the kept set's last column in the stable descending order) of
+    each row of one chunk: from its largest logits where they hold the kept set, else sorted (every
+    row while a CUDA graph is captured: choosing the rows reads their count on the host)."""
+    width = NUCLEUS_CANDIDATES
+    if width >= u.shape[1] or _capturing(u):
+        return _sorted_edges(u, k_rows, p_rows, top_p)
+    rows, lse_all = _candidate_rows(u, k_rows, p_rows, top_p, width)
+    if rows.numel():
+        lse_c, edge_value, ties, found = _candidate_edges(u[rows], lse_all[rows], _rows(k_rows, rows),
+                                                          _rows(p_rows, rows), top_p, width)
+        rows, lse_c, edge_value, ties = rows[found], lse_c[found], edge_value[found], ties[found]
+    if not rows.numel():
+        return _sorted_edges(u, k_rows, p_rows, top_p, lse_all)
+    lse = torch.empty_like(lse_all)
+    edge = torch.empty(u.shape[:1], dtype=torch.long, device=u.device)
+    lse[rows], edge[rows] = lse_c, _edge_columns(u[rows], edge_value, ties)
+    rest = torch.ones_like(lse, dtype=torch.bool).index_fill_(0, rows, False).nonzero()[:, 0]
+    if rest.numel():
+        lse[rest], edge[rest] = _sorted_edges(u[rest], _rows(k_rows, rest), _rows(p_rows, rest), top_p,
+                                              lse_all[rest])
+    return lse, edge
+
+
 def _nucleus_chunk(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
-    """The forward of one row chunk: (u, lse over the kept columns, the kept set's edge column, the
+    """The forward of one row chunk: (u, lse over the kept set, the kept set's edge column, the
     target kept, valid). The kept set is a prefix of the stable descending order (its first ``count``
     columns, ``_kept_sorted`` up to its first dropped column), so it is also every column above the
     edge column's value or equal to it at or before that column (``_kept``): the backward rebuilds it
-    from the recomputed logits and the edge column without sorting them again. (The edge's column,
-    not its value: a backward that chunks the rows otherwise rounds the logits otherwise.)"""
+    from the recomputed logits and the edge column without sorting. (The edge's column, not its
+    value: a backward that chunks the rows otherwise rounds the logits otherwise.)"""
     u, _ = _scaled(F.linear(hidden, weight, bias), logit_scale, softcap)
-    s, order = torch.sort(u, dim=-1, descending=True, stable=True)  # stable: ties in column order
-    keep_sorted = _kept_sorted(s, k_rows, p_rows, top_p)
-    count = torch.where(keep_sorted.all(1), keep_sorted.shape[1], (~keep_sorted).int().argmax(1))[:, None]
-    del keep_sorted
-    cols = torch.arange(s.shape[1], device=s.device)[None, :]
-    lse = torch.logsumexp(s.masked_fill(cols >= count, float("-inf")), dim=-1)
-    edge_value, edge_col = s.gather(1, count - 1)[:, 0], order.gather(1, count - 1)[:, 0]
-    del s, order
+    lse, edge_col = _nucleus_edges(u, k_rows, p_rows, top_p)
     valid = target != ignore_index
     t = torch.where(valid, target, 0)[:, None]
-    hit = _kept(u.gather(1, t), edge_value, edge_col, t)[:, 0] & valid
+    hit = _kept(u.gather(1, t), u.gather(1, edge_col[:, None])[:, 0], edge_col, t)[:, 0] & valid
     return u, lse, edge_col, hit, valid
 
 
@@ -377,7 +467,7 @@ def _kept(u: Tensor, edge_value: Tensor, edge_col: Tensor, cols: Optional[Tensor
     return torch.where(value.isnan(), nan & (cols <= col), nan | (u > value) | ((u == value) & (cols <= col)))
 
 
-def _rows(t: Optional[Tensor], sl: slice) -> Optional[Tensor]:
+def _rows(t: Optional[Tensor], sl: Union[slice, Tensor]) -> Optional[Tensor]:
     return None if t is None else t[sl]
 
 

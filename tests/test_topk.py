@@ -557,6 +557,63 @@ def test_nucleus_nan_logits_propagate_as_eager():
     assert gw.isnan().any() and gb.isnan().any()
 
 
+def _nucleus_rows(seed=0):
+    """A chunk of rows of every kind the nucleus op meets: peaked (kept sets of a few columns), flat
+    (most of the row), integer logits (ties everywhere, across the edge too), middling (tens of
+    columns), a -inf column (a bias) and a NaN row; per-row p with rows at 1, and a target column per row."""
+    g = torch.Generator().manual_seed(seed)
+    n, d, v = 96, 16, 4096  # on CUDA, row_topk reads 16 blocks of 32 columns (a quarter of the row at most)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g)
+    h[:32] *= 3.0  # peaked rows
+    h[32:56] *= 0.05  # flat rows
+    h[56:80] = torch.randint(-2, 3, (24, d), generator=g).float()  # integer logits: ties
+    h[80:90] *= 0.3  # kept sets of tens of columns: past 16 candidates that looked as if they might hold them
+    w_int = torch.randint(-2, 3, (v, d), generator=g).float()
+    b = torch.zeros(v)
+    b[5] = float("-inf")
+    h[90, 3] = float("nan")
+    p = torch.rand(n, generator=g) * 0.9 + 0.05
+    p[::7] = 1.0
+    y = torch.randint(0, v, (n,), generator=g)
+    return h, w, w_int, b, y, p
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("which", ["top_p", "per_row_p", "per_row_k"])
+def test_nucleus_largest_logits_give_the_sorted_rows_kept_sets(monkeypatch, which, device):
+    """Each row's kept set read from its largest logits (``NUCLEUS_CANDIDATES``, 16 here) is the one
+    sorting the whole row gives: the same edge column (the stable order's, ties included), logsumexp
+    and log-probs to rounding, on rows of every kind in one chunk; both paths taken (rows found among
+    the candidates, and rows that go on past them or cannot use them)."""
+    if device == "cuda" and not CUDA:
+        pytest.skip("needs a CUDA GPU (row_topk's block maxima there)")
+    h, w, w_int, b, y, p = (t.to(device) for t in _nucleus_rows())
+    found = []
+    real = topk._candidate_edges
+
+    def spy(*args):
+        out = real(*args)
+        found.append(int(out[-1].sum()))
+        return out
+
+    monkeypatch.setattr(topk, "_candidate_edges", spy)
+    k_rows = torch.randint(1, 30, y.shape, generator=torch.Generator().manual_seed(3)).to(device) \
+        if which == "per_row_k" else None
+    p_rows = p if which != "top_p" else None
+    for weight in (w, w_int):
+        args = (h, weight, b, y, k_rows, p_rows, 0.9, 1 / 0.7, None, -100)
+        monkeypatch.setattr(topk, "NUCLEUS_CANDIDATES", 10**9)
+        whole = topk.NUCLEUS(*args)
+        monkeypatch.setattr(topk, "NUCLEUS_CANDIDATES", 16)
+        found.clear()
+        part = topk.NUCLEUS(*args)
+        assert 0 < sum(found) < len(h) - 1, found  # some rows from the candidates, not all
+        assert torch.equal(part[2], whole[2]), (part[2] != whole[2]).nonzero()
+        for a, e in zip(part[:2], whole[:2]):
+            torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("per_row_p", [False, True])
 def test_opcheck_nucleus_ops(per_row_p):
     h, w, b, y = _inputs(seed=33)
