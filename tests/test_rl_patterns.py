@@ -400,6 +400,29 @@ def test_heads_under_no_grad_carry_no_gradient(name):
     assert "heads inside a grad-mode switch (torch.no_grad()) without gradient" in site.reason, site.reason
 
 
+def test_logits_under_no_grad_scaled_by_a_trained_parameter_decline():
+    """Logits computed under ``torch.no_grad()``, then a loss trained through a learnable temperature
+    (a 0-d parameter): the op would run in the matmul's mode, without gradient, and lose the
+    temperature's. The site declines and says why; the graph is eager's, the gradient too."""
+    ins = _inputs()
+    x, W, y = ins["x"].requires_grad_(), ins["W"], ins["yv"]
+    t = torch.tensor(1.3, requires_grad=True)
+
+    def fn(x, W, y, t):
+        with torch.no_grad():
+            logits = F.linear(x, W)
+        return F.cross_entropy((logits * t).flatten(0, -2), y.flatten(), ignore_index=-100)
+
+    (site,) = inductor_xent.explain(fn, x, W, y, t).sites
+    assert not site.fused and "the grad mode changes between the lm_head matmul and a head that trains" in site.reason
+    rec = Recorder()
+    got = torch.compile(fn, backend=rec)(x, W, y, t)
+    assert fused_ops(rec.after[0]) == 0
+    want = fn(x, W, y, t)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, t)[0], torch.autograd.grad(want, t)[0])
+
+
 def test_ignored_rows_keep_their_entropy():
     """A cross-entropy with ignore_index next to an entropy: one log-probs op that ignores no row,
     so the entropy of an ignored row is eager's (not 0), and its cross-entropy row is 0."""
