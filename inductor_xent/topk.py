@@ -412,6 +412,11 @@ def _edge_columns(u: Tensor, edge_value: Tensor, ties: Tensor) -> Tensor:
     return (rank < ties[:, None]).sum(-1)
 
 
+def _take(u: Tensor, rows: Tensor) -> Tensor:
+    """``u[rows]`` (``rows`` increasing, from ``nonzero``), without a copy where they are all of them."""
+    return u if rows.numel() == u.shape[0] else u[rows]
+
+
 def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -425,14 +430,14 @@ def _nucleus_edges(u: Tensor, k_rows, p_rows, top_p) -> tuple[Tensor, Tensor]:
         return _sorted_edges(u, k_rows, p_rows, top_p)
     rows, lse_all = _candidate_rows(u, k_rows, p_rows, top_p, width)
     if rows.numel():
-        lse_c, edge_value, ties, found = _candidate_edges(u[rows], lse_all[rows], _rows(k_rows, rows),
+        lse_c, edge_value, ties, found = _candidate_edges(_take(u, rows), lse_all[rows], _rows(k_rows, rows),
                                                           _rows(p_rows, rows), top_p, width)
         rows, lse_c, edge_value, ties = rows[found], lse_c[found], edge_value[found], ties[found]
     if not rows.numel():
         return _sorted_edges(u, k_rows, p_rows, top_p, lse_all)
     lse = torch.empty_like(lse_all)
     edge = torch.empty(u.shape[:1], dtype=torch.long, device=u.device)
-    lse[rows], edge[rows] = lse_c, _edge_columns(u[rows], edge_value, ties)
+    lse[rows], edge[rows] = lse_c, _edge_columns(_take(u, rows), edge_value, ties)
     rest = torch.ones_like(lse, dtype=torch.bool).index_fill_(0, rows, False).nonzero()[:, 0]
     if rest.numel():
         lse[rest], edge[rest] = _sorted_edges(u[rest], _rows(k_rows, rest), _rows(p_rows, rest), top_p,
