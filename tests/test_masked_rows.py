@@ -12,6 +12,7 @@ whose values reach the output without a mask, which compute every row and say wh
 from __future__ import annotations
 
 import functools
+import operator
 
 import expecttest
 import pytest
@@ -454,6 +455,35 @@ def test_argmax_under_a_row_mask_skipped(name, strategy, monkeypatch):
     leaves = (h.detach().requires_grad_(), w.detach().requires_grad_())
     (site,) = inductor_xent.explain(fn, *leaves, ids, old, adv, mask).sites
     assert site.fused and "argmax" in site.head and "masked rows skipped" in site.reason, site.reason
+
+
+class _AsDunders(Recorder):
+    """A Recorder that first rewrites the graph's Python operators as the tensor methods torch 2.11's
+    Dynamo records for some of them (``argmax.__eq__(y)``, ``eq & valid`` as ``__and__``)."""
+
+    def __call__(self, gm, example_inputs):
+        names = {operator.eq: "__eq__", operator.ne: "__ne__", operator.and_: "__and__", operator.mul: "__mul__"}
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in names and isinstance(node.args[0], torch.fx.Node):
+                node.op, node.target = "call_method", names[node.target]
+        gm.recompile()
+        return super().__call__(gm, example_inputs)
+
+
+@pytest.mark.parametrize("name", ["sft_accuracy", "argmax_accuracy"])
+def test_argmax_mask_walk_reads_operators_as_dunder_methods(name):
+    """The mask walk and the gates read ``a.__eq__(b)`` as ``a == b`` (torch 2.11's Dynamo spelling of
+    the accuracy's comparison, under which these sites computed every row): the rows are skipped."""
+    h, w, ids, old, adv, mask = _problem()
+    rec = _AsDunders()
+    fn = ARGMAX[name]
+    ours = _outs_and_grads(torch.compile(fn, backend=rec), _poison(h, mask == 0), w, (ids, old, adv, mask))
+    assert "__eq__" in rec.code_before[0]
+    (op,) = _op_calls(rec.graphs[0])
+    assert op.kwargs.get("skip_ignored") is True, op.format_node()
+    want = _outs_and_grads(fn, h, w, (ids, old, adv, mask))
+    assert torch.equal(ours[1], want[1]), (ours[1], want[1])
+    torch.testing.assert_close(ours[0], want[0], rtol=1e-5, atol=1e-6)
 
 
 def _hf_loss_shifted_accuracy(h, w, y):

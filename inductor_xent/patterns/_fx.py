@@ -53,13 +53,25 @@ def numel_hint(t: torch.Tensor) -> Optional[int]:
     return None if None in sizes else math.prod(sizes)
 
 
+# Python's binary and unary operators as Dynamo may record them, as the tensor's own method
+# (torch 2.11 traces ``z.argmax(-1) == y`` as ``argmax.__eq__(y)``; 2.13 as ``operator.eq``): the
+# same call, arguments in the same order (reflected ones, ``__radd__``, are not among them)
+DUNDERS = {f"__{name.rstrip('_')}__": getattr(operator, name) for name in (
+    "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "add", "sub", "mul", "truediv", "floordiv",
+    "mod", "pow", "neg", "invert", "abs", "matmul")}
+
+
 def is_call(node: Any, targets: tuple) -> bool:
-    """True when ``node`` calls one of ``targets`` (functions, and method names as strings)."""
+    """True when ``node`` calls one of ``targets`` (functions, and method names as strings; an
+    operator function also matches its dunder method: ``DUNDERS``)."""
     if not isinstance(node, Node):
         return False
     if node.op == "call_function":
         return any(node.target is t for t in targets)
-    return node.op == "call_method" and node.target in targets
+    if node.op != "call_method":
+        return False
+    op = DUNDERS.get(node.target)
+    return node.target in targets or (op is not None and any(op is t for t in targets))
 
 
 def arg(node: Node, index: int, name: str, default: Any = None) -> Any:
