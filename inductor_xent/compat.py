@@ -19,6 +19,12 @@ Only the seams: what the package changes in Dynamo's behaviour, and why, is dyna
   flag decides) beside the legacy ``allow_tf32``, and reading ``allow_tf32`` raises once the new API
   set "tf32" (HF's ``TrainingArguments`` sets ``torch.backends.fp32_precision`` on torch >= 2.9):
   ``tf32_matmuls`` reads whichever decides; ``ieee_fp32_matmuls`` turns TF32 off for a block.
+* Nested graph breaks: 2.11's Dynamo resumes a nested frame after a graph break with its caller's
+  globals (MusicGen's training forward under transformers 5.25, behind a decorator from another module:
+  ``NameError: name 'random' is not defined``); 2.13 resumes it with its own. The backend turns them on
+  by default only where they are sound (``nested_graph_breaks_sound``); 2.12 was not checked.
+* Python operators in Dynamo graphs: 2.11 records some as the tensor's dunder method
+  (``argmax.__eq__(y)``), 2.13 as ``operator.eq``: ``patterns._fx.is_call`` reads both.
 * ``graph_retained``: whether the running backward keeps its graph (``retain_graph`` /
   ``create_graph``), from ``torch._C._autograd._get_current_graph_task_keep_graph`` (private, in
   both); where it is missing the answer is True, the safe one.
@@ -176,6 +182,12 @@ def ieee_fp32_matmuls() -> Iterator[None]:
         yield
     finally:
         setattr(matmul, field, old)
+
+
+def nested_graph_breaks_sound() -> bool:
+    """Whether Dynamo resumes a nested frame with its own globals (torch 2.13+): the default of
+    ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``."""
+    return torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 def graph_retained() -> bool:

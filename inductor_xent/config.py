@@ -132,11 +132,14 @@ def dynamo_tuning() -> bool:
 
 
 def nested_graph_breaks() -> bool:
-    """``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``: ``1`` (default) traces what runs inside a function
-    compiled with ``backend="inductor_xent"`` (and ``explain``) with
+    """``INDUCTOR_XENT_NESTED_GRAPH_BREAKS``: ``1`` (default on torch 2.13+) traces what runs inside a
+    function compiled with ``backend="inductor_xent"`` (and ``explain``) with
     ``torch._dynamo.config.nested_graph_breaks = True``, restored when the call returns
-    (``dynamo_tuning.DynamoScope``); ``0`` leaves Dynamo's option as it is."""
-    return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", True)
+    (``dynamo_tuning.DynamoScope``); ``0`` (default on 2.11 and 2.12, whose Dynamo may resume a nested
+    frame with its caller's globals: ``compat.nested_graph_breaks_sound``) leaves Dynamo's option as it is."""
+    from . import compat
+
+    return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", compat.nested_graph_breaks_sound())
 
 
 def batch_invariant() -> bool:

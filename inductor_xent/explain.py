@@ -32,9 +32,10 @@ NESTED_HINT = (
     "and hands the whole output, logits included, to the caller: remove that break{}"
 )
 NESTED_OFF = (
-    ", or unset INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0 (by default the backend traces with "
+    ", or set INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1 (the default on torch 2.13+; off on 2.11 and 2.12, whose "
+    "Dynamo may resume a nested frame with its caller's globals) so that the backend traces with "
     "torch._dynamo.config.nested_graph_breaks = True; Dynamo then keeps tracing the caller, and a function "
-    "that returns only the loss fuses)"
+    "that returns only the loss fuses"
 )
 NESTED_ON = (
     " (Dynamo traced with nested_graph_breaks = True and still ended the caller's graph there: a break "

@@ -20,7 +20,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch._inductor.utils import fresh_cache
 
 import inductor_xent
-from inductor_xent import backend, compat, dynamo_tuning, escape, ops
+from inductor_xent import backend, compat, config, dynamo_tuning, escape, ops
 from inductor_xent import inductor_pass as install
 
 from .helpers import SPELLINGS, Recorder, V, assert_parity, counting, fused_ops, leaves, make_inputs
@@ -450,6 +450,24 @@ def test_dynamo_tuning_off_or_no_transformers_changes_nothing(untuned_dynamo, mo
     assert "transformers.utils.logging" not in sys.modules
 
 
+def test_nested_graph_breaks_default_follows_the_torch_release(untuned_dynamo, monkeypatch):
+    """On by default where Dynamo resumes a nested frame with its own globals (torch 2.13+), off on 2.11
+    and 2.12 (a resumed MusicGen forward raised NameError there, transformers 5.25);
+    INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1 turns them on there too: a forward that breaks before its
+    lm_head fuses without handing its logits to the caller."""
+    sound = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
+    assert compat.nested_graph_breaks_sound() is sound and config.nested_graph_breaks() is sound
+    ins = {k: make_inputs()[k] for k in ("x", "W", "y")}
+
+    def loss_only(x, W, y):
+        return _forward_with_item(x, W, y)["loss"]
+
+    monkeypatch.setenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "1")
+    report = inductor_xent.explain(loss_only, *leaves(ins).values())
+    assert report.fused_count == 1 and not report.logits_escape, report
+    assert untuned_dynamo.nested_graph_breaks is False
+
+
 @pytest.mark.parametrize("name", ["INDUCTOR_XENT_DYNAMO_TUNING", "INDUCTOR_XENT_NESTED_GRAPH_BREAKS"])
 def test_dynamo_tuning_bad_value_names_accepted_values(untuned_dynamo, monkeypatch, name):
     monkeypatch.setenv(name, "maybe")
@@ -470,7 +488,8 @@ def _forward_with_item(x, W, y):
 
 
 def test_nested_graph_breaks_scoped_to_our_compiled_calls(untuned_dynamo, monkeypatch):
-    """By default a function compiled with backend="inductor_xent" is traced with
+    """With ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=1`` (the default on torch 2.13+) a function compiled with
+    backend="inductor_xent" is traced with
     ``nested_graph_breaks`` (dynamo_tuning.DynamoScope, entered around each call): a loss-only function around
     a forward that breaks before its lm_head fuses in a graph that returns only the loss, loss and
     gradients within torch's error (string or callable backend, with options). The option is back to
@@ -478,6 +497,7 @@ def test_nested_graph_breaks_scoped_to_our_compiled_calls(untuned_dynamo, monkey
     ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` leaves it off for ours too: Dynamo then ends the forward's
     last graph at its return, which hands the logits to the caller (the site still fuses, the op
     writing the returned logits: escape.py)."""
+    monkeypatch.setenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "1")
     ins = {k: make_inputs()[k] for k in ("x", "W", "y")}
     returned = []  # per graph with a site: whether it returns the logits
 
