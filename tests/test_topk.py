@@ -614,6 +614,32 @@ def test_nucleus_largest_logits_give_the_sorted_rows_kept_sets(monkeypatch, whic
             torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6, equal_nan=True)
 
 
+@pytest.mark.cuda
+def test_nucleus_under_cuda_graph_capture_sorts_every_row():
+    """Choosing the rows that the candidates hold reads a count on the host, which a CUDA graph's
+    capture forbids: captured, the op sorts every row, and replayed it gives the kept sets (edge
+    columns) of the uncaptured op, which read most rows from the candidates, and its values to
+    rounding."""
+    if not CUDA:
+        pytest.skip("needs a CUDA GPU (torch.cuda.graph)")
+    h, w, _, b, y, p = (t.cuda() for t in _nucleus_rows())
+    args = (h, w, b, y, None, p, 0.9, 1 / 0.7, None, -100)
+    want = topk.NUCLEUS(*args)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph asks
+        topk.NUCLEUS(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = topk.NUCLEUS(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got[2], want[2])
+    for a, e in zip(got[:2], want[:2]):
+        torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6, equal_nan=True)
+
+
 @pytest.mark.parametrize("per_row_p", [False, True])
 def test_opcheck_nucleus_ops(per_row_p):
     h, w, b, y = _inputs(seed=33)
