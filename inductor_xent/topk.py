@@ -393,16 +393,21 @@ def _candidate_rows(u: Tensor, k_rows, p_rows, top_p, width: int) -> tuple[Tenso
 
 
 def _candidate_edges(u: Tensor, lse_all: Tensor, k_rows, p_rows, top_p, width: int,
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logsumexp over the kept set, the edge's value, how many columns of that value the set keeps,
-    found) of each row of ``u`` from its ``width`` largest logits; ``found`` is False where the kept
-    set may go on past them."""
-    s = row_topk(u, width)[0]  # largest first
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logsumexp over the kept set, its edge column or -1, the edge's value, how many columns of that
+    value the set keeps, found) of each row of ``u`` from its ``width`` largest logits; ``found`` is
+    False where the kept set may go on past them. The edge column is the kept columns' last in the
+    stable descending order: among those of the edge's value, the ``ties``-th in column order. It is
+    read from the candidates' columns where the last candidate is below the edge (so every column of
+    the edge's value is a candidate), else left -1 (``_edge_columns`` ranks the whole row)."""
+    s, columns = row_topk(u, width)  # largest first; among equal values any of their columns
     count, lse, edge_value = _prefix_edges(s, _kept_sorted(s, k_rows, p_rows, top_p, lse_all))
     found = count[:, 0] < width if k_rows is None else torch.ones_like(lse, dtype=torch.bool)
-    cols = torch.arange(width, device=u.device)[None, :]
-    ties = ((s == edge_value[:, None]) & (cols < count)).sum(1)
-    return lse, edge_value, ties, found
+    tied = s == edge_value[:, None]
+    ties = (tied & (torch.arange(width, device=u.device)[None, :] < count)).sum(1)
+    ranked = torch.where(tied, columns, u.shape[1]).sort(-1).values  # the tied columns in column order
+    edge = ranked.gather(1, (ties - 1)[:, None])[:, 0]
+    return lse, torch.where(s[:, -1] < edge_value, edge, -1), edge_value, ties, found
 
 
 def _edge_columns(u: Tensor, edge_value: Tensor, ties: Tensor) -> Tensor:
@@ -430,14 +435,17 @@ def _nucleus_edges(u: Tensor, k_rows, p_rows, top_p) -> tuple[Tensor, Tensor]:
         return _sorted_edges(u, k_rows, p_rows, top_p)
     rows, lse_all = _candidate_rows(u, k_rows, p_rows, top_p, width)
     if rows.numel():
-        lse_c, edge_value, ties, found = _candidate_edges(_take(u, rows), lse_all[rows], _rows(k_rows, rows),
-                                                          _rows(p_rows, rows), top_p, width)
-        rows, lse_c, edge_value, ties = rows[found], lse_c[found], edge_value[found], ties[found]
+        lse_c, edge_c, edge_value, ties, found = _candidate_edges(_take(u, rows), lse_all[rows], _rows(k_rows, rows),
+                                                                  _rows(p_rows, rows), top_p, width)
+        rows, lse_c, edge_c, edge_value, ties = (t[found] for t in (rows, lse_c, edge_c, edge_value, ties))
     if not rows.numel():
         return _sorted_edges(u, k_rows, p_rows, top_p, lse_all)
+    ranked = (edge_c < 0).nonzero()[:, 0]  # ties that may reach past the candidates: ranked over the row
+    if ranked.numel():
+        edge_c[ranked] = _edge_columns(u[rows[ranked]], edge_value[ranked], ties[ranked])
     lse = torch.empty_like(lse_all)
     edge = torch.empty(u.shape[:1], dtype=torch.long, device=u.device)
-    lse[rows], edge[rows] = lse_c, _edge_columns(_take(u, rows), edge_value, ties)
+    lse[rows], edge[rows] = lse_c, edge_c
     rest = torch.ones_like(lse, dtype=torch.bool).index_fill_(0, rows, False).nonzero()[:, 0]
     if rest.numel():
         lse[rest], edge[rest] = _sorted_edges(u[rest], _rows(k_rows, rest), _rows(p_rows, rest), top_p,

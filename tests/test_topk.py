@@ -560,7 +560,8 @@ def test_nucleus_nan_logits_propagate_as_eager():
 def _nucleus_rows(seed=0):
     """A chunk of rows of every kind the nucleus op meets: peaked (kept sets of a few columns), flat
     (most of the row), integer logits (ties everywhere, across the edge too), middling (tens of
-    columns), a -inf column (a bias) and a NaN row; per-row p with rows at 1, and a target column per row."""
+    columns), a row whose set ends in a tie across the 16th candidate, a -inf column (a bias) and a
+    NaN row; per-row p with rows at 1, and a target column per row."""
     g = torch.Generator().manual_seed(seed)
     n, d, v = 96, 16, 4096  # on CUDA, row_topk reads 16 blocks of 32 columns (a quarter of the row at most)
     h = torch.randn(n, d, generator=g)
@@ -570,11 +571,20 @@ def _nucleus_rows(seed=0):
     h[56:80] = torch.randint(-2, 3, (24, d), generator=g).float()  # integer logits: ties
     h[80:90] *= 0.3  # kept sets of tens of columns: past 16 candidates that looked as if they might hold them
     w_int = torch.randint(-2, 3, (v, d), generator=g).float()
+    # row 95: one column of 85 % of the mass, then 30 tied columns of 0.45 % each, so that at p = 0.9 the
+    # set ends inside a tie that goes on past 16 candidates (its edge ranked over the whole row)
+    for weight in (w, w_int):
+        weight[:, 15] = 0.0
+        weight[0, 15], weight[6:36, 15] = 8.645, 4.974
+    h[56:80, 15] = 0.0  # the integer rows stay integer
+    h[95] = 0.0
+    h[95, 15] = 1.0
     b = torch.zeros(v)
     b[5] = float("-inf")
     h[90, 3] = float("nan")
     p = torch.rand(n, generator=g) * 0.9 + 0.05
     p[::7] = 1.0
+    p[95] = 0.9
     y = torch.randint(0, v, (n,), generator=g)
     return h, w, w_int, b, y, p
 
@@ -584,22 +594,31 @@ def _nucleus_rows(seed=0):
 def test_nucleus_largest_logits_give_the_sorted_rows_kept_sets(monkeypatch, which, device):
     """Each row's kept set read from its largest logits (``NUCLEUS_CANDIDATES``, 16 here) is the one
     sorting the whole row gives: the same edge column (the stable order's, ties included), logsumexp
-    and log-probs to rounding, on rows of every kind in one chunk; both paths taken (rows found among
-    the candidates, and rows that go on past them or cannot use them)."""
+    and log-probs to rounding, on rows of every kind in one chunk; every path taken (rows found among
+    the candidates, their edge read from the candidates' columns or, where its ties may reach past
+    them, ranked over the row; and rows that go on past them or cannot use them)."""
     if device == "cuda" and not CUDA:
         pytest.skip("needs a CUDA GPU (row_topk's block maxima there)")
     h, w, w_int, b, y, p = (t.to(device) for t in _nucleus_rows())
-    found = []
-    real = topk._candidate_edges
+    found, ranked = [], []
+    real, real_rank = topk._candidate_edges, topk._edge_columns
 
     def spy(*args):
         out = real(*args)
         found.append(int(out[-1].sum()))
         return out
 
+    def spy_rank(u, *args):
+        ranked.append(u.shape[0])
+        return real_rank(u, *args)
+
     monkeypatch.setattr(topk, "_candidate_edges", spy)
+    monkeypatch.setattr(topk, "_edge_columns", spy_rank)
+    counts = []
     k_rows = torch.randint(1, 30, y.shape, generator=torch.Generator().manual_seed(3)).to(device) \
         if which == "per_row_k" else None
+    if k_rows is not None:
+        k_rows[95] = 14  # row 95's set (13 columns) inside its top 16, its tie going on past them
     p_rows = p if which != "top_p" else None
     for weight in (w, w_int):
         args = (h, weight, b, y, k_rows, p_rows, 0.9, 1 / 0.7, None, -100)
@@ -607,11 +626,14 @@ def test_nucleus_largest_logits_give_the_sorted_rows_kept_sets(monkeypatch, whic
         whole = topk.NUCLEUS(*args)
         monkeypatch.setattr(topk, "NUCLEUS_CANDIDATES", 16)
         found.clear()
+        ranked.clear()
         part = topk.NUCLEUS(*args)
         assert 0 < sum(found) < len(h) - 1, found  # some rows from the candidates, not all
+        counts.append((sum(found), sum(ranked)))
         assert torch.equal(part[2], whole[2]), (part[2] != whole[2]).nonzero()
         for a, e in zip(part[:2], whole[:2]):
             torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6, equal_nan=True)
+    assert any(r for _, r in counts) and any(r < f for f, r in counts), counts  # both ways to the edge
 
 
 @pytest.mark.cuda
