@@ -378,21 +378,25 @@ def _sorted_edges(u: Tensor, k_rows, p_rows, top_p, lse_all: Optional[Tensor] = 
     return lse, order.gather(1, count - 1)[:, 0]
 
 
-def _candidate_rows(u: Tensor, k_rows, p_rows, top_p, width: int) -> tuple[Tensor, Tensor]:
-    """(the rows whose ``width`` largest logits may hold their kept set, each row's logsumexp). With
-    ``k_rows``, rows of k <= width; without it, rows of p < 1 whose largest probability times width
-    reaches p (else the first width columns hold less than p: the set goes on). Rows holding NaN or
-    +inf sort whole, as eager does."""
-    lse = torch.logsumexp(u, -1)
+def _candidate_rows(u: Tensor, k_rows, p_rows, top_p, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(the rows whose ``width`` largest logits may hold their kept set, each row's logsumexp, the
+    maxima of its blocks of ``BLOCK`` columns for ``row_topk``), from one pass over ``u``
+    (``block_stats``, compiled on CUDA). With ``k_rows``, rows of k <= width; without it, rows of p < 1
+    whose largest probability times width reaches p (else the first width columns hold less than p:
+    the set goes on). Rows holding NaN or +inf sort whole, as eager does."""
+    maxima, lse = _for(u.device, block_stats)(u, 1.0, None, True)
     if k_rows is not None:
         maybe = k_rows <= width
     else:
+        top = maxima.amax(-1)
+        if maxima.shape[1] * BLOCK < u.shape[1]:  # the partial last block
+            top = torch.maximum(top, u[:, maxima.shape[1] * BLOCK:].amax(-1))
         p = torch.full_like(lse, top_p) if p_rows is None else p_rows.to(lse.dtype)
-        maybe = (p < 1.0) & (width * torch.exp(u.amax(-1) - lse) >= 0.99 * p)
-    return (maybe & torch.isfinite(lse)).nonzero()[:, 0], lse
+        maybe = (p < 1.0) & (width * torch.exp(top - lse) >= 0.99 * p)
+    return (maybe & torch.isfinite(lse)).nonzero()[:, 0], lse, maxima
 
 
-def _candidate_edges(u: Tensor, lse_all: Tensor, k_rows, p_rows, top_p, width: int,
+def _candidate_edges(u: Tensor, lse_all: Tensor, maxima: Tensor, k_rows, p_rows, top_p, width: int,
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(logsumexp over the kept set, its edge column or -1, the edge's value, how many columns of that
     value the set keeps, found) of each row of ``u`` from its ``width`` largest logits; ``found`` is
@@ -400,7 +404,7 @@ def _candidate_edges(u: Tensor, lse_all: Tensor, k_rows, p_rows, top_p, width: i
     stable descending order: among those of the edge's value, the ``ties``-th in column order. It is
     read from the candidates' columns where the last candidate is below the edge (so every column of
     the edge's value is a candidate), else left -1 (``_edge_columns`` ranks the whole row)."""
-    s, columns = row_topk(u, width)  # largest first; among equal values any of their columns
+    s, columns = row_topk(u, width, maxima=maxima)  # largest first; among equal values any of their columns
     count, lse, edge_value = _prefix_edges(s, _kept_sorted(s, k_rows, p_rows, top_p, lse_all))
     found = count[:, 0] < width if k_rows is None else torch.ones_like(lse, dtype=torch.bool)
     tied = s == edge_value[:, None]
@@ -433,10 +437,11 @@ def _nucleus_edges(u: Tensor, k_rows, p_rows, top_p) -> tuple[Tensor, Tensor]:
     width = NUCLEUS_CANDIDATES
     if width >= u.shape[1] or _capturing(u):
         return _sorted_edges(u, k_rows, p_rows, top_p)
-    rows, lse_all = _candidate_rows(u, k_rows, p_rows, top_p, width)
+    rows, lse_all, maxima = _candidate_rows(u, k_rows, p_rows, top_p, width)
     if rows.numel():
-        lse_c, edge_c, edge_value, ties, found = _candidate_edges(_take(u, rows), lse_all[rows], _rows(k_rows, rows),
-                                                                  _rows(p_rows, rows), top_p, width)
+        lse_c, edge_c, edge_value, ties, found = _candidate_edges(
+            _take(u, rows), lse_all[rows], _take(maxima, rows), _rows(k_rows, rows), _rows(p_rows, rows), top_p, width)
+        found = found.nonzero()[:, 0]
         rows, lse_c, edge_c, edge_value, ties = (t[found] for t in (rows, lse_c, edge_c, edge_value, ties))
     if not rows.numel():
         return _sorted_edges(u, k_rows, p_rows, top_p, lse_all)
