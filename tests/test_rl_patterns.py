@@ -559,6 +559,57 @@ def test_grpo_step_compiled_whole_store(impl, monkeypatch):
     assert [targets(gr).count(ops.LOGPROB_STORE_BACKWARD) for gr in aot.bw_graphs] == [1]
 
 
+def _lp_entropy_at_temp(x, W, yv):
+    logp = F.log_softmax(F.linear(x, W).float() / TEMP, -1)
+    return torch.gather(logp, -1, yv[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.slow(s=30)
+def test_rl_site_under_the_backend_gives_the_functional_apis_bits(monkeypatch):
+    """The RL head (log-probs and entropy at a temperature, every row) with the log-prob op's store:
+    the pass's site (no ignored row, so no row compaction; its backward writes dz over the exp-logits
+    autograd donates) and ``linear_log_probs`` (which compacts the rows) give the same bits, values
+    and gradients. Their in-place backwards ran different GEMMs before (cuBLAS's against rows_mm's:
+    bench rl's pass 5 ms slower than the API on an H100, its weight gradient other bits). The Triton
+    kernels run interpreted on CPU tensors."""
+    from inductor_xent.templates import launch
+
+    monkeypatch.setenv("INDUCTOR_XENT_IMPL", "triton")
+    monkeypatch.setenv("INDUCTOR_XENT_STRATEGY", "store")
+    monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", "1GiB")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(41)
+    n, d, v = 128, 64, 300
+    x = torch.randn(n, d, generator=g).to(device, torch.bfloat16)
+    W = (torch.randn(v, d, generator=g) / d**0.5).to(device, torch.bfloat16)
+    yv = torch.randint(0, v, (n,), generator=g).to(device)
+    ups = [torch.randn(n, generator=g).to(device) for _ in range(2)]
+    seen, real = [], launch.log_probs_store_backward
+
+    def spy(*args, **kw):
+        seen.append((kw["in_place"], kw["compacted"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(launch, "log_probs_store_backward", spy)
+
+    def results(fn):
+        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+        lp, ent = fn(xr, Wr, yv)
+        return (lp.detach(), ent.detach(), *torch.autograd.grad((lp, ent), (xr, Wr), ups))
+
+    def api(xr, Wr, yv):
+        out = inductor_xent.linear_log_probs(xr, Wr, yv, temperature=TEMP, entropy=True)
+        return out.log_probs, out.entropy
+
+    fused = counters["inductor_xent"]["sites_fused"]
+    compiled = results(torch.compile(_lp_entropy_at_temp, backend="inductor_xent"))
+    assert counters["inductor_xent"]["sites_fused"] == fused + 1
+    want = results(api)
+    assert seen == [(True, False), (True, True)], seen  # both in place; the API's rows compacted
+    for name, a, b in zip(("log_probs", "entropy", "grad_hidden", "grad_weight"), compiled, want):
+        assert torch.equal(a, b), name
+
+
 # ---------------------------------------------------------------------------------------------
 # declines: the graph untouched, eager's numbers, the reason
 # ---------------------------------------------------------------------------------------------

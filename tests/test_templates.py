@@ -862,11 +862,8 @@ def test_log_probs_store_skips_ignored_rows(store_rows, in_place, monkeypatch):
         assert same(ours[keep], alone)
         assert torch.equal(ours[~keep].abs(), torch.zeros_like(ours[~keep]))
     assert torch.equal(gh[~keep], torch.zeros_like(gh[~keep]))
-    if in_place and CUDA:  # the count-bounded GEMMs (rows_mm) against cuBLAS's whole ones: other sums
-        for a, b in ((gh[keep], gh_v), (gw, gw_v), (gb, gb_v)):
-            torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-2 * b.float().abs().max().item())
-    else:
-        assert same(gh[keep], gh_v) and same(gw.float(), gw_v.float()) and same(gb.float(), gb_v.float())
+    # in place both runs' GEMMs are rows_mm, bounded by the count or over every row: the same tiles
+    assert same(gh[keep], gh_v) and same(gw.float(), gw_v.float()) and same(gb.float(), gb_v.float())
     monkeypatch.setenv("INDUCTOR_XENT_SKIP_IGNORED", "0")
     assert run(h, t, ua, ub, True)[0][2].isnan().any()
 
