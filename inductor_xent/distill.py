@@ -240,20 +240,6 @@ def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor],
 _fused = {}
 
 
-def _compiled(fn):
-    """``fn`` compiled by Inductor with the rows of every tensor argument dynamic (they are all per
-    row): one graph for every chunk size, where a static graph per last-chunk size would reach
-    Dynamo's recompile limit within eight batch sizes (and fail under ``fullgraph``)."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-
-    def call(*args):
-        for a in args:
-            if isinstance(a, Tensor) and a.dim() and a.shape[0] > 1:  # 0 and 1 rows specialise anyway
-                torch._dynamo.mark_dynamic(a, 0)
-        return compiled(*args)
-    return call
-
-
 def _math_for(device: torch.device, fn=None):
     """A chunk's math (``fn``, by default ``_chunk_math``): on CUDA compiled once by Inductor into a
     few fused kernels (eager PyTorch would make a dozen passes over each [rows, V] chunk); eager
@@ -262,7 +248,7 @@ def _math_for(device: torch.device, fn=None):
     if device.type != "cuda":
         return fn
     if fn not in _fused:
-        _fused[fn] = _compiled(fn)
+        _fused[fn] = options.compiled_per_row(fn)
     return _fused[fn]
 
 

@@ -82,3 +82,20 @@ def fold_temperature(logit_scale: float, softcap: Optional[float], temperature: 
     so it scales both ``logit_scale`` and ``softcap`` and every kernel epilogue serves unchanged
     (the derivative ``(scale/T)·sech²`` comes out of the same chain rule)."""
     return logit_scale / temperature, None if softcap is None else softcap / temperature
+
+
+def compiled_per_row(fn):
+    """``fn`` compiled by Inductor with the rows of every tensor argument dynamic (they are all per
+    row) from its first call: one graph for every chunk size. A static graph per chunk size would
+    reach Dynamo's recompile limit within eight batch sizes (and fail under ``fullgraph``), and
+    Dynamo's own switch to dynamic rows at the second size would give a process's first call other
+    kernels, so other bits, than its later calls (seen on an H100: the nucleus op's first call kept
+    other sets)."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, Tensor) and a.dim() and a.shape[0] > 1:  # 0 and 1 rows specialise anyway
+                torch._dynamo.mark_dynamic(a, 0)
+        return compiled(*args)
+    return call

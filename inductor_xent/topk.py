@@ -159,7 +159,7 @@ def _for(device: torch.device, fn):
     if device.type != "cuda":
         return fn
     if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True)
+        _COMPILED[fn] = options.compiled_per_row(fn)  # one graph whatever the chunk's rows: the same bits
     return _COMPILED[fn]
 
 
@@ -332,6 +332,9 @@ TOPK_BACKWARD = torch.ops.inductor_xent.linear_topk_bwd.default
 # largest logits can hold its kept set reads it from them (row_topk: no sort); the others, flat rows
 # among them, sort the whole row. Both give the same set: a prefix's mass depends on its values only.
 NUCLEUS_CANDIDATES = 256
+# a sorted row's bytes per column: its values in the compute dtype, sorted, their columns, and the
+# kept prefix's probabilities, sums and masks (_sorted_edges)
+SORT_BYTES_PER_LOGIT = 32
 
 
 def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float,
@@ -378,39 +381,46 @@ def _sorted_edges(u: Tensor, k_rows, p_rows, top_p, lse_all: Optional[Tensor] = 
     return lse, order.gather(1, count - 1)[:, 0]
 
 
-def _candidate_rows(u: Tensor, k_rows, p_rows, top_p, width: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(the rows whose ``width`` largest logits may hold their kept set, each row's logsumexp, the
-    maxima of its blocks of ``BLOCK`` columns for ``row_topk``), from one pass over ``u``
-    (``block_stats``, compiled on CUDA). With ``k_rows``, rows of k <= width; without it, rows of p < 1
-    whose largest probability times width reaches p (else the first width columns hold less than p:
-    the set goes on). Rows holding NaN or +inf sort whole, as eager does."""
-    maxima, lse = _for(u.device, block_stats)(u, 1.0, None, True)
+def _candidate_rows(z: Tensor, scale, k_rows, p_rows, top_p, width: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(which rows' ``width`` largest logits may hold their kept set, each row's logsumexp, the
+    maxima of its blocks of ``BLOCK`` columns for ``row_topk``, in z's dtype), from one pass over the
+    logits ``z`` in their dtype (``block_stats``, compiled on CUDA; ``scale``: the logit scale and
+    softcap). With ``k_rows``, rows of k <= width; without it, rows of p < 1 whose largest probability
+    times width reaches p (else the first width columns hold less than p: the set goes on). Rows
+    holding NaN or +inf sort whole, as eager does."""
+    maxima, lse = _for(z.device, block_stats)(z, *scale, True)
     if k_rows is not None:
         maybe = k_rows <= width
     else:
         top = maxima.amax(-1)
-        if maxima.shape[1] * BLOCK < u.shape[1]:  # the partial last block
-            top = torch.maximum(top, u[:, maxima.shape[1] * BLOCK:].amax(-1))
+        if maxima.shape[1] * BLOCK < z.shape[1]:  # the partial last block
+            top = torch.maximum(top, z[:, maxima.shape[1] * BLOCK:].amax(-1))
+        top = _scaled(top, *scale)[0]
         p = torch.full_like(lse, top_p) if p_rows is None else p_rows.to(lse.dtype)
         maybe = (p < 1.0) & (width * torch.exp(top - lse) >= 0.99 * p)
-    return (maybe & torch.isfinite(lse)).nonzero()[:, 0], lse, maxima
+    return maybe & torch.isfinite(lse), lse, maxima
 
 
-def _candidate_edges(u: Tensor, lse_all: Tensor, maxima: Tensor, k_rows, p_rows, top_p, width: int,
-                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _candidate_edges(z: Tensor, scale, lse_all: Tensor, maxima: Tensor, maybe: Tensor, k_rows, p_rows, top_p,
+                     width: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(logsumexp over the kept set, its edge column or -1, the edge's value, how many columns of that
-    value the set keeps, found) of each row of ``u`` from its ``width`` largest logits; ``found`` is
-    False where the kept set may go on past them. The edge column is the kept columns' last in the
-    stable descending order: among those of the edge's value, the ``ties``-th in column order. It is
-    read from the candidates' columns where the last candidate is below the edge (so every column of
-    the edge's value is a candidate), else left -1 (``_edge_columns`` ranks the whole row)."""
-    s, columns = row_topk(u, width, maxima=maxima)  # largest first; among equal values any of their columns
+    value the set keeps, found) of each row of the scaled logits ``u = _scaled(z, *scale)`` from its
+    ``width`` largest logits; ``found`` is False where the kept set may go on past them or the row is
+    not ``maybe`` (``_candidate_rows``; such rows' other values mean nothing). The edge column
+    is the kept columns' last in the stable descending order: among those of the edge's value, the
+    ``ties``-th in column order. It is read from the candidates' columns where the last candidate is
+    below the edge (so every column of the edge's value is a candidate: u is nondecreasing in z, so a
+    column of u above the last candidate's has z above it too), else left -1 (``_edge_columns`` ranks
+    the whole row). The candidates come from z in its own dtype (the scale and softcap keep its order);
+    only they are scaled."""
+    s, columns = row_topk(z, width, maxima=maxima)  # largest first; among equal values any of their columns
+    s = _scaled(s, *scale)[0]
     count, lse, edge_value = _prefix_edges(s, _kept_sorted(s, k_rows, p_rows, top_p, lse_all))
-    found = count[:, 0] < width if k_rows is None else torch.ones_like(lse, dtype=torch.bool)
+    found = maybe & (count[:, 0] < width) if k_rows is None else maybe
     tied = s == edge_value[:, None]
-    ties = (tied & (torch.arange(width, device=u.device)[None, :] < count)).sum(1)
-    ranked = torch.where(tied, columns, u.shape[1]).sort(-1).values  # the tied columns in column order
-    edge = ranked.gather(1, (ties - 1)[:, None])[:, 0]
+    ties = (tied & (torch.arange(width, device=z.device)[None, :] < count)).sum(1)
+    ranked = torch.where(tied, columns, z.shape[1]).sort(-1).values  # the tied columns in column order
+    edge = ranked.gather(1, (ties - 1).clamp_min(0)[:, None])[:, 0]  # (0 ties: a NaN row, sorted)
     return lse, torch.where(s[:, -1] < edge_value, edge, -1), edge_value, ties, found
 
 
@@ -421,56 +431,70 @@ def _edge_columns(u: Tensor, edge_value: Tensor, ties: Tensor) -> Tensor:
     return (rank < ties[:, None]).sum(-1)
 
 
-def _take(u: Tensor, rows: Tensor) -> Tensor:
-    """``u[rows]`` (``rows`` increasing, from ``nonzero``), without a copy where they are all of them."""
-    return u if rows.numel() == u.shape[0] else u[rows]
-
-
 def _capturing(t: Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def _nucleus_edges(u: Tensor, k_rows, p_rows, top_p) -> tuple[Tensor, Tensor]:
+def _nucleus_edges(z: Tensor, scale, k_rows, p_rows, top_p) -> tuple[Tensor, Tensor]:
     """(logsumexp over the kept set, the kept set's last column in the stable descending order) of
-    each row of one chunk: from its largest logits where they hold the kept set, else sorted (every
-    row while a CUDA graph is captured: choosing the rows reads their count on the host)."""
+    each row of one chunk's logits ``z`` (in their dtype; ``scale``: the logit scale and softcap):
+    from its largest logits where they hold the kept set, else sorted (every row while a CUDA graph is
+    captured: choosing the rows reads their count on the host). Every row's candidates are read
+    (``_candidate_edges``), then one host synchronisation counts the rows whose edge ties are ranked
+    over the whole row and the rows that sort; only those are scaled whole (copies in the compute
+    dtype), the sorted ones a sub-chunk at a time (``_sorted_rows``)."""
     width = NUCLEUS_CANDIDATES
-    if width >= u.shape[1] or _capturing(u):
-        return _sorted_edges(u, k_rows, p_rows, top_p)
-    rows, lse_all, maxima = _candidate_rows(u, k_rows, p_rows, top_p, width)
-    if rows.numel():
-        lse_c, edge_c, edge_value, ties, found = _candidate_edges(
-            _take(u, rows), lse_all[rows], _take(maxima, rows), _rows(k_rows, rows), _rows(p_rows, rows), top_p, width)
-        found = found.nonzero()[:, 0]
-        rows, lse_c, edge_c, edge_value, ties = (t[found] for t in (rows, lse_c, edge_c, edge_value, ties))
-    if not rows.numel():
-        return _sorted_edges(u, k_rows, p_rows, top_p, lse_all)
-    ranked = (edge_c < 0).nonzero()[:, 0]  # ties that may reach past the candidates: ranked over the row
-    if ranked.numel():
-        edge_c[ranked] = _edge_columns(u[rows[ranked]], edge_value[ranked], ties[ranked])
-    lse = torch.empty_like(lse_all)
-    edge = torch.empty(u.shape[:1], dtype=torch.long, device=u.device)
-    lse[rows], edge[rows] = lse_c, edge_c
-    rest = torch.ones_like(lse, dtype=torch.bool).index_fill_(0, rows, False).nonzero()[:, 0]
-    if rest.numel():
-        lse[rest], edge[rest] = _sorted_edges(u[rest], _rows(k_rows, rest), _rows(p_rows, rest), top_p,
-                                              lse_all[rest])
+    if width >= z.shape[1] or _capturing(z):
+        return _sorted_rows(z, None, scale, k_rows, p_rows, top_p)
+    maybe, lse_all, maxima = _candidate_rows(z, scale, k_rows, p_rows, top_p, width)
+    lse, edge, edge_value, ties, found = _candidate_edges(z, scale, lse_all, maxima, maybe, k_rows, p_rows, top_p,
+                                                          width)
+    ranked = found & (edge < 0)  # ties that may reach past the candidates: ranked over the row
+    # the ranked rows first, then the rows that sort (a stable sort of their kinds), and their counts
+    kind = torch.where(ranked, 0, torch.where(found, 2, 1)).to(torch.uint8)
+    order = torch.sort(kind, stable=True).indices
+    n_ranked, n_sorted = torch.stack([ranked.sum(), (~found).sum()]).tolist()  # the one host sync
+    if n_ranked:
+        r = order[:n_ranked]
+        edge[r] = _edge_columns(_scaled(z[r], *scale)[0], edge_value[r], ties[r])
+    if n_sorted:
+        r = order[n_ranked:n_ranked + n_sorted]
+        lse[r], edge[r] = _sorted_rows(z, r, scale, k_rows, p_rows, top_p, lse_all)
+    return lse, edge
+
+
+def _sorted_rows(z: Tensor, rows: Optional[Tensor], scale, k_rows, p_rows, top_p, lse_all: Optional[Tensor] = None,
+                 ) -> tuple[Tensor, Tensor]:
+    """``_sorted_edges`` of the ``rows`` of ``z`` (all of them where None), scaled and sorted a
+    sub-chunk at a time (``SORT_BYTES_PER_LOGIT``: a sorted row holds its values, their columns and the
+    prefix's masks and sums, several times the 16-bit logits the forward's chunk is sized for)."""
+    count = z.shape[0] if rows is None else rows.shape[0]
+    step = chunk_rows(count, z.shape[1], z.device, SORT_BYTES_PER_LOGIT)
+    lse = z.new_empty((count,), dtype=compute_dtype(z.dtype))
+    edge = z.new_empty((count,), dtype=torch.long)
+    for start in range(0, count, step):
+        sl = slice(start, min(count, start + step))
+        r = sl if rows is None else rows[sl]
+        lse[sl], edge[sl] = _sorted_edges(_scaled(z[r], *scale)[0], _rows(k_rows, r), _rows(p_rows, r), top_p,
+                                          _rows(lse_all, r))
     return lse, edge
 
 
 def _nucleus_chunk(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_scale, softcap, ignore_index):
-    """The forward of one row chunk: (u, lse over the kept set, the kept set's edge column, the
-    target kept, valid). The kept set is a prefix of the stable descending order (its first ``count``
+    """The forward of one row chunk: (the target's scaled logit, lse over the kept set, the kept set's
+    edge column, the target kept, valid). The kept set is a prefix of the stable descending order (its first ``count``
     columns, ``_kept_sorted`` up to its first dropped column), so it is also every column above the
     edge column's value or equal to it at or before that column (``_kept``): the backward rebuilds it
     from the recomputed logits and the edge column without sorting. (The edge's column, not its
     value: a backward that chunks the rows otherwise rounds the logits otherwise.)"""
-    u, _ = _scaled(F.linear(hidden, weight, bias), logit_scale, softcap)
-    lse, edge_col = _nucleus_edges(u, k_rows, p_rows, top_p)
+    z = F.linear(hidden, weight, bias)  # in its dtype: only the rows that sort are copied in the compute dtype
+    scale = (logit_scale, softcap)
+    lse, edge_col = _nucleus_edges(z, scale, k_rows, p_rows, top_p)
     valid = target != ignore_index
     t = torch.where(valid, target, 0)[:, None]
-    hit = _kept(u.gather(1, t), u.gather(1, edge_col[:, None])[:, 0], edge_col, t)[:, 0] & valid
-    return u, lse, edge_col, hit, valid
+    u_t = _scaled(z.gather(1, t), *scale)[0]
+    hit = _kept(u_t, _scaled(z.gather(1, edge_col[:, None]), *scale)[0][:, 0], edge_col, t)[:, 0] & valid
+    return u_t[:, 0], lse, edge_col, hit, valid
 
 
 def _kept(u: Tensor, edge_value: Tensor, edge_col: Tensor, cols: Optional[Tensor] = None) -> Tensor:
@@ -496,13 +520,13 @@ def _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_
     out = hidden.new_empty((n,), dtype=cd)
     lse_all = hidden.new_empty((n,), dtype=cd)
     edge_col = hidden.new_empty((n,), dtype=torch.long)
-    step = chunk_rows(n, v, hidden.device)
+    # a chunk holds its logits in their dtype and the candidates' scratch (the rows that sort more: _sorted_rows)
+    step = chunk_rows(n, v, hidden.device, hidden.element_size() + 2)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
-        u, lse, edge, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl], _rows(k_rows, sl),
-                                                  _rows(p_rows, sl), top_p, logit_scale, softcap, ignore_index)
-        t = torch.where(valid, target[sl], 0)[:, None]
-        rows = torch.where(hit, u.gather(1, t)[:, 0] - lse, float("-inf"))
+        u_t, lse, edge, hit, valid = _nucleus_chunk(hidden[sl], weight, bias, target[sl], _rows(k_rows, sl),
+                                                    _rows(p_rows, sl), top_p, logit_scale, softcap, ignore_index)
+        rows = torch.where(hit, u_t - lse, float("-inf"))
         out[sl] = torch.where(valid, rows, 0.0)
         lse_all[sl] = lse
         edge_col[sl] = edge

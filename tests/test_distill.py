@@ -338,16 +338,16 @@ def test_compiled_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu, monk
 
 
 def test_compiled_chunk_math_has_one_graph_for_every_chunk_size():
-    """distill._compiled marks the rows dynamic: chunks of 5, 6 and 7 rows (a batch's last chunk
+    """options.compiled_per_row marks the rows dynamic: chunks of 5, 6 and 7 rows (a batch's last chunk
     follows N) reuse one graph, where static shapes compile one each and fail at Dynamo's limit under
     fullgraph; the values are eager's."""
     from torch._dynamo.utils import counters
 
-    from inductor_xent import distill
+    from inductor_xent import distill, options
 
     torch._dynamo.reset()
     counters.clear()
-    fn = distill._compiled(distill._chunk_math_into)
+    fn = options.compiled_per_row(distill._chunk_math_into)
     g = torch.Generator().manual_seed(4)
     for rows in (5, 6, 7):
         zs, zt = torch.randn(rows, V, generator=g), torch.randn(rows, V, generator=g)

@@ -951,3 +951,26 @@ def test_bench_topk_cpu_dry_run_with_nucleus(tmp_path, capsys):
     with pytest.raises(SystemExit):
         bench_topk.main(["--device", "cpu", "--methods", "ours,fastest"])
     assert "unknown methods ['fastest']" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_chunk_statistics_compile_one_graph_for_every_chunk_size(monkeypatch):
+    """On CUDA a chunk's statistics (``block_stats``, the logsumexp, the top-k's dz: ``topk._for``) are
+    compiled with the rows dynamic from the first call: chunks of 5, 6 and 7 rows reuse one graph, and
+    a chunk size gives the same bits in the process's first call as later. Dynamo's own switch to
+    dynamic rows at the second size gave the first call other kernels: on an H100 the nucleus op's
+    first call kept other sets than its later calls. (Here on the tensors' own device.)"""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(topk, "_COMPILED", {})
+    fn = topk._for(torch.device("cuda"), topk.block_stats)
+    g = torch.Generator().manual_seed(12)
+    z = {rows: torch.randn(rows, 40 * topk.BLOCK + 7, generator=g).bfloat16().to("cuda" if CUDA else "cpu") for rows in (5, 6, 7)}
+    graphs = counters["stats"]["unique_graphs"]
+    outs = [fn(z[rows], 1 / 0.7, 30.0, True) for rows in (5, 6, 7, 5)]
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    for a, b in zip(outs[0], outs[3]):
+        assert torch.equal(a, b)
+    want = topk.block_stats(z[5], 1 / 0.7, 30.0, True)
+    torch.testing.assert_close(outs[0][1], want[1])
+    assert torch.equal(outs[0][0], want[0])
