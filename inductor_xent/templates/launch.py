@@ -602,16 +602,16 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     """``backward`` with ``stored`` for a stored ``e`` nobody reads after this backward: dz of every
     stored row and column is written over e (the same element size: fp16 exp-logits become bf16 dz,
     fp32 stay fp32; each tile is read before it is written), then grad_hidden = dz @ W and
-    grad_weight (+)= dzᵀ @ hidden are two whole-vocabulary GEMMs (``rows.rows_mm``, fp32
+    grad_weight (+)= dzᵀ @ hidden are two whole-vocabulary GEMMs (``rows.rows_mm`` or cuBLAS, fp32
     accumulation, each result rounded once) instead of ``backward``'s vocabulary chunks adding into
     an fp32 [N, D] accumulator. Every row is walked: rows with no incoming gradient get a zero dz (no
     row compaction: a compacted dz could not overwrite its own rows). No memory beyond the gradients
     and, with a bias, the [N/BLOCK_M, V] fp32 column partials. With ``count`` (the forward compacted
     the rows, valid first: e's rows past the count were never written) the dz kernel stops at the
     count (zeros up to the next K step) and both GEMMs stop at it too: the other rows' grad_hidden is
-    0. Without it the count is every row: the same GEMMs as the compacted path's (at the RL head
-    rows_mm's were 5 ms faster than cuBLAS's pair, and the pass, which does not compact where no row
-    is ignored, then gives the functional API's bits)."""
+    0. Without it 16-bit rows take the same GEMMs over every row, so that the pass, which compacts
+    nothing where no row is ignored, gives the functional API's bits (the API compacts 16-bit rows
+    unless asked for the argmax); fp32 rows keep cuBLAS's (``rows.compacts``: rows_mm's fp32 error is 3-5x cuBLAS's)."""
     e, m, st = stored
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
@@ -628,18 +628,27 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     _stored_dz(stored, None, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias, count,
                v, 0, v, opts, cfg)
     dz = dz.to(hidden.dtype)
-    every = count is None
+    every = count is None and hidden.dtype != torch.float32  # 16-bit rows, none ignored: the full count
     if every:
         count = torch.full((1,), n, dtype=torch.int32, device=hidden.device)
-    precision = _input_precision(hidden.dtype)
-    grad_h = (torch.empty if every else torch.zeros)((n, d) if need_h else (0,), dtype=hidden.dtype,
-                                                      device=hidden.device)
-    grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
+    if count is not None:
+        precision = _input_precision(hidden.dtype)
+        grad_h = (torch.empty if every else torch.zeros)((n, d) if need_h else (0,), dtype=hidden.dtype,
+                                                          device=hidden.device)
+        grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
+        if need_h:
+            rows.rows_mm(grad_h, dz, weight, count, bound="m", input_precision=precision)
+        if need_w:
+            rows.rows_mm(grad_w, dz, hidden, count, bound="k", trans_a=True, accumulate=add_to is not None,
+                         input_precision=precision)
+        _bias_grad(grad_b, dbias, need_b, add_to)
+        return grad_h, grad_w, grad_b
+    grad_h = torch.empty((n, d) if need_h else (0,), dtype=hidden.dtype, device=hidden.device)
     if need_h:
-        rows.rows_mm(grad_h, dz, weight, count, bound="m", input_precision=precision)
+        _mm_into(grad_h, dz, weight, accumulate=False)
+    grad_w, grad_b = _weight_grads(weight, bias, need_w, need_b, add_to)
     if need_w:
-        rows.rows_mm(grad_w, dz, hidden, count, bound="k", trans_a=True, accumulate=add_to is not None,
-                     input_precision=precision)
+        grad_weight_chunk(grad_w, dz, hidden, accumulate=add_to is not None)
     _bias_grad(grad_b, dbias, need_b, add_to)
     return grad_h, grad_w, grad_b
 
