@@ -536,22 +536,44 @@ def _nucleus_forward(hidden, weight, bias, target, k_rows, p_rows, top_p, logit_
 def _nucleus_backward(grad, hidden, weight, bias, target, lse, edge_col, logit_scale, softcap, ignore_index, needs):
     """d(log-prob over the kept set)/d(inputs) with the kept set a constant (as eager's masked_fill):
     du = g·(onehot(t)·[t kept] − p_kept), p_kept = softmax over the kept columns, 0 elsewhere. The
-    kept set comes from the forward's edge column (``_kept``): the logits are recomputed, not sorted."""
+    kept set comes from the forward's edge column (``_kept``): the logits are recomputed, not sorted;
+    each chunk's dz comes from its logits in one pass (``nucleus_dz``, compiled on CUDA without a
+    softcap: ``_nucleus_dz_for``)."""
     cd = compute_dtype(hidden.dtype)
     g_all = grad.to(cd)
+    dz_fn = _nucleus_dz_for(hidden.device, softcap)
 
-    def du_of(sl):
-        u, x = _scaled(F.linear(hidden[sl], weight, bias), logit_scale, softcap)
-        col = edge_col[sl]
-        keep = _kept(u, u.gather(1, col[:, None])[:, 0], col)
+    def dz_of(sl):
         valid = target[sl] != ignore_index
-        t = torch.where(valid, target[sl], 0)[:, None]
-        hit = keep.gather(1, t)[:, 0] & valid
-        g = torch.where(valid, g_all[sl], 0.0)[:, None]
-        du = torch.where(keep, torch.exp(u - lse[sl, None].to(cd)), 0.0).mul_(-g)
-        return du.scatter_add_(1, t, torch.where(hit[:, None], g, 0.0)), x
+        g = torch.where(valid, g_all[sl], 0.0)  # an ignored row's gradient is 0: its target any column
+        t = torch.where(valid, target[sl], 0)
+        return dz_fn(F.linear(hidden[sl], weight, bias), edge_col[sl], lse[sl].to(cd), g, t, logit_scale,
+                     softcap), None
 
-    return _grads_from_du(hidden, weight, bias, needs, logit_scale, du_of)
+    return _grads_from_du(hidden, weight, bias, needs, logit_scale, dz_of, gives_dz=True)
+
+
+def _nucleus_dz_for(device: torch.device, softcap: Optional[float]):
+    """``nucleus_dz`` compiled on CUDA (``_for``), eager under a softcap: the kept set compares scaled
+    logits, and the forward scaled them eagerly; without a softcap the scale is one multiplication,
+    the same bits compiled, but Inductor's tanh is not torch's to the last bit, and where tanh
+    saturates that decides which columns tie with the edge (seen on CPU: other kept sets)."""
+    return nucleus_dz if softcap is not None else _for(device, nucleus_dz)
+
+
+def nucleus_dz(z: Tensor, edge_col: Tensor, lse: Tensor, g: Tensor, t: Tensor, logit_scale: float,
+               softcap: Optional[float]) -> Tensor:
+    """dz of one chunk's logits ``z`` for the kept-set log-probs: du = g·([column is t] − p) over the
+    kept columns (the prefix up to ``edge_col``, ``_kept``; p = exp(u − lse)), 0 elsewhere, then times
+    the scale and the softcap's sech², in z's dtype (compiled on CUDA into one pass over the logits:
+    ``_for``; the edge's value is read from the same scaled logits, so the kept set is the one the
+    forward's edge column names)."""
+    u, x = _scaled(z, logit_scale, softcap)
+    keep = _kept(u, u.gather(1, edge_col[:, None])[:, 0], edge_col)
+    cols = torch.arange(z.shape[1], device=z.device)[None, :]
+    gr = g[:, None]
+    du = torch.where(keep, torch.where(cols == t[:, None], gr, 0.0) - torch.exp(u - lse[:, None]) * gr, 0.0)
+    return _dz_of_du(du, x, logit_scale).to(z.dtype)
 
 
 @torch.library.custom_op("inductor_xent::linear_nucleus_logprob", mutates_args=())

@@ -974,3 +974,35 @@ def test_chunk_statistics_compile_one_graph_for_every_chunk_size(monkeypatch):
     want = topk.block_stats(z[5], 1 / 0.7, 30.0, True)
     torch.testing.assert_close(outs[0][1], want[1])
     assert torch.equal(outs[0][0], want[0])
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_nucleus_dz_compiled_is_eagers(monkeypatch):
+    """The nucleus backward's dz pass compiled as on CUDA (``topk._nucleus_dz_for``; here on the
+    tensors' own device) keeps the sets the forward's edge columns name and gives eager's dz to
+    rounding, on rows of every kind (ties across the edge, a NaN row, a -inf column), in chunks of two
+    sizes. Under a softcap it stays eager: compiled, tanh's saturation tied other columns with the edge
+    (checked: the compiled pass's sets differ there, so the choice matters)."""
+    dev = "cuda" if CUDA else "cpu"
+    h, w, w_int, b, y, p = (t.to(dev) for t in _nucleus_rows())
+    monkeypatch.setattr(topk, "_COMPILED", {})
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(5)).to(dev)
+    assert topk._nucleus_dz_for(torch.device("cuda"), 3.0) is topk.nucleus_dz
+    differs = []
+    for softcap, fn in ((None, topk._nucleus_dz_for(torch.device("cuda"), None)),
+                        (3.0, topk._for(torch.device("cuda"), topk.nucleus_dz))):
+        assert fn is not topk.nucleus_dz
+        for weight in (w, w_int):
+            _, lse, edge = topk.NUCLEUS(h, weight, b, y, None, p, 0.9, 1 / 0.7, softcap, -100)
+            z = F.linear(h, weight, b)
+            for sl in (slice(0, 50), slice(50, len(y))):
+                args = (z[sl], edge[sl], lse[sl], g[sl], y[sl].clamp_min(0), 1 / 0.7, softcap)
+                got, want = fn(*args), topk.nucleus_dz(*args)
+                same_sets = torch.equal(got != 0, want != 0)
+                if softcap is not None:
+                    differs.append(not same_sets)
+                    continue
+                assert same_sets, "the kept sets"
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
+                assert got.isnan().any() == (sl.start == 50)  # row 90's NaN
+    assert any(differs) or CUDA, "compiled under a softcap kept eager's sets: the eager fallback is moot here"
