@@ -20,7 +20,10 @@ What is timed, at the llama3-8b head by default (bf16):
   vocabulary; at 4 tens of columns, as an LLM's (the median and largest kept-set sizes are printed).
 
 Forward alone and forward + backward (the values' gradient a random [N, k] tensor; the kept-set
-rows' a random [N]) with the extra peak memory of each. Accounting: median of
+rows' a random [N]) with the extra peak memory of each. The kept-set methods also get errors on the
+first ERR_ROWS rows against their spelling in fp32 (fp32 inputs and matmuls, TF32 off): the log-probs'
+where finite, the hidden and weight gradients, and the rows whose target is kept in one and not the
+other (``kept_differ``); the eager and compiled spellings' errors are torch's own. Accounting: median of
 ``triton.testing.do_bench`` (bench_kernels.bench_ms); extra MiB: peak minus what was allocated
 before the call. Target (issue 25): top-k (k = 64) forward ≤ 1.15× the cuBLAS logits GEMM.
 ``--device cpu`` is a dry run on tiny shapes.
@@ -29,6 +32,7 @@ before the call. Target (issue 25): top-k (k = 64) forward ≤ 1.15× the cuBLAS
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -48,6 +52,7 @@ T = 0.7
 TOP_P = 0.9
 TARGET_FWD_VS_CUBLAS = 1.15
 OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile")  # timed only when named in --methods
+ERR_ROWS = 512
 
 
 def spelling(h, w, k):
@@ -103,6 +108,27 @@ def timed(device, quick):
     return ms
 
 
+def errors(fn, ref_fn, h, w, ids) -> dict:
+    """A kept-set method's errors against ``ref_fn`` (its spelling) in fp32 on the first ERR_ROWS rows:
+    log-probs where both are finite, hidden and weight gradients for a random upstream gradient (the
+    −inf rows' counted as 0, as ``measure``'s step), and how many rows' targets the two keep otherwise."""
+    r = min(ERR_ROWS, h.shape[0])
+    g = torch.Generator().manual_seed(1)
+    up = torch.randn(r, generator=g).to(h.device)
+    out = []
+    for f, dtype in ((fn, h.dtype), (ref_fn, torch.float32)):
+        hh = h[:r].detach().to(dtype).requires_grad_()
+        ww = w.detach().to(dtype).requires_grad_()
+        lp = f(hh, ww, ids[:r])
+        out.append((lp.detach().float(), *torch.autograd.grad((lp.where(torch.isfinite(lp), 0.0) * up).sum(),
+                                                              (hh, ww))))
+        del hh, ww, lp
+    (lp, dh, dw), (lp_ref, dh_ref, dw_ref) = out
+    both = torch.isfinite(lp) & torch.isfinite(lp_ref)
+    return {"err_lp": bk.rel_err(lp[both], lp_ref[both]), "err_dh": bk.rel_err(dh, dh_ref),
+            "err_dw": bk.rel_err(dw, dw_ref), "kept_differ": int((torch.isfinite(lp) != torch.isfinite(lp_ref)).sum())}
+
+
 def measure(name, fn, h, w, ids, k, ms, device) -> dict:
     """One method's row: forward (no grad) and forward + backward times and extra memory."""
     row = {"method": name, "shape": "x".join(map(str, (h.shape[0], h.shape[1], w.shape[0]))), "k": k}
@@ -125,6 +151,9 @@ def measure(name, fn, h, w, ids, k, ms, device) -> dict:
         row["fwd_bwd_ms"] = ms(step)
         if device == "cuda":
             row["fwd_bwd_mib"] = bk.extra_peak_mib(step)[1]
+        if name.startswith(("nucleus", "kept")):
+            ref = nucleus_eager if name.startswith("nucleus") else functools.partial(kept_eager, k=k)
+            row.update(errors(fn, ref, h, w, ids))
     except torch.OutOfMemoryError:
         row["status"] = "OOM"
     return row
@@ -196,11 +225,13 @@ def main(argv=None) -> int:
         print(json.dumps(rows[-1]), flush=True)
     base = next((r.get("fwd_ms") for r in rows if r["method"] == "cublas"), None)
     ours = next((r.get("fwd_ms") for r in rows if r["method"] == "ours"), None)
-    print("| method | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB |")
-    print("|---|---|---|---|---|")
+    print("| method | fwd ms | fwd MiB | fwd+bwd ms | fwd+bwd MiB | err lp | err dH | err dW | kept differ |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         cells = [r.get(key) for key in ("fwd_ms", "fwd_mib", "fwd_bwd_ms", "fwd_bwd_mib")]
-        print(f"| {r['method']} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " |")
+        errs = [r.get(key) for key in ("err_lp", "err_dh", "err_dw")]
+        print(f"| {r['method']} | " + " | ".join("—" if c is None else f"{c:.2f}" for c in cells) + " | "
+              + " | ".join("—" if e is None else f"{e:.1e}" for e in errs) + f" | {r.get('kept_differ', '—')} |")
     if base and ours:
         verdict = "MET" if ours / base <= TARGET_FWD_VS_CUBLAS else "MISSED"
         print(f"target top-k (k={k}) forward <= {TARGET_FWD_VS_CUBLAS}x cuBLAS logits GEMM: {verdict} "

@@ -939,6 +939,10 @@ def test_bench_topk_cpu_dry_run_with_nucleus(tmp_path, capsys):
     rows = json.loads((tmp_path / "bench_topk.json").read_text())["rows"]
     assert [r["method"] for r in rows] == ["cublas", "ours", "nucleus_eager", "nucleus_ours"]
     assert all(r["fwd_ms"] > 0 for r in rows) and all(r["fwd_bwd_ms"] > 0 for r in rows[1:])
+    for r in rows[2:]:  # the kept-set rows' errors against the fp32 spelling: bf16's, the same kept targets
+        assert 0 < r["err_lp"] < 0.05 and 0 < r["err_dh"] < 0.1 and 0 < r["err_dw"] < 0.1, r
+        assert r["kept_differ"] == 0, r
+    assert "err_dh" not in rows[1]
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(20, 16, generator=g), torch.randn(300, 16, generator=g) * 0.3
     ids = torch.randint(0, 300, (20,), generator=g)  # even rows: an id near the top (kept)
