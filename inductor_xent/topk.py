@@ -335,6 +335,15 @@ NUCLEUS_CANDIDATES = 256
 # a sorted row's bytes per column: its values in the compute dtype, sorted, their columns, and the
 # kept prefix's probabilities, sums and masks (_sorted_edges)
 SORT_BYTES_PER_LOGIT = 32
+# Where a row's kept set goes on past the candidates (flat rows, at p < 1, without top_k or a softcap),
+# its edge value may be found by bisection over the row's values instead of a sort, on these devices:
+# BISECT_STEPS passes of one compiled reduction over its 16-bit logits (``_bisected_edges``). None by
+# default until timed on a GPU (bench_topk's ``nucleus_bisect`` turns CUDA on); on CPU the sort is the
+# cheaper one (each step is an eager pass over fp32 copies: 3-8x the sort's time on this project's CPU).
+# A set decided within rounding of p may end one column off the sort's (its mass is summed in another
+# order): 1-3 rows of 300 flat bf16 rows on CPU.
+BISECT_DEVICES: tuple = ()
+BISECT_STEPS = 33  # an fp32 order key spans 2**32 values: 32 halvings, one more to spare
 
 
 def _kept_sorted(s: Tensor, k_rows: Optional[Tensor], p_rows: Optional[Tensor], top_p: float,
@@ -450,17 +459,90 @@ def _nucleus_edges(z: Tensor, scale, k_rows, p_rows, top_p) -> tuple[Tensor, Ten
     lse, edge, edge_value, ties, found = _candidate_edges(z, scale, lse_all, maxima, maybe, k_rows, p_rows, top_p,
                                                           width)
     ranked = found & (edge < 0)  # ties that may reach past the candidates: ranked over the row
-    # the ranked rows first, then the rows that sort (a stable sort of their kinds), and their counts
-    kind = torch.where(ranked, 0, torch.where(found, 2, 1)).to(torch.uint8)
+    rest = ~found
+    bisect = rest & _bisectable(z, scale, k_rows, p_rows, top_p, lse_all)
+    # the ranked rows, the rows that sort, the rows that bisect (a stable sort of their kinds), and
+    # their counts
+    kind = torch.where(ranked, 0, torch.where(found, 3, torch.where(bisect, 2, 1))).to(torch.uint8)
     order = torch.sort(kind, stable=True).indices
-    n_ranked, n_sorted = torch.stack([ranked.sum(), (~found).sum()]).tolist()  # the one host sync
-    if n_ranked:
+    n_ranked, n_sorted, n_bisect = torch.stack([ranked.sum(), (rest & ~bisect).sum(), bisect.sum()]).tolist()
+    if n_ranked:  # (the one host sync above)
         r = order[:n_ranked]
         edge[r] = _edge_columns(_scaled(z[r], *scale)[0], edge_value[r], ties[r])
     if n_sorted:
         r = order[n_ranked:n_ranked + n_sorted]
         lse[r], edge[r] = _sorted_rows(z, r, scale, k_rows, p_rows, top_p, lse_all)
+    if n_bisect:
+        r = order[n_ranked + n_sorted:n_ranked + n_sorted + n_bisect]
+        lse[r], edge[r] = _bisected_rows(z, r, scale[0], _rows(p_rows, r), top_p, lse_all[r])
     return lse, edge
+
+
+def _bisectable(z: Tensor, scale, k_rows, p_rows, top_p, lse_all: Tensor) -> Tensor:
+    """Which rows may find their kept set by bisection (``BISECT_DEVICES``): rows of p < 1 and a finite
+    logsumexp, where there is no per-row k (the set is then a prefix of the top-k's) nor softcap
+    (bisection compares scaled logits computed in a compiled pass: only a multiplication gives eager's
+    bits there) and the compute dtype is fp32 (the order key's width)."""
+    if (z.device.type not in BISECT_DEVICES or k_rows is not None or scale[1] is not None
+            or compute_dtype(z.dtype) != torch.float32):
+        return torch.zeros_like(lse_all, dtype=torch.bool)
+    p = torch.full_like(lse_all, top_p) if p_rows is None else p_rows.to(lse_all.dtype)
+    return (p < 1.0) & torch.isfinite(lse_all)
+
+
+def _key(t: Tensor) -> Tensor:
+    """fp32 values as int64 keys in the same order (the bits, the negatives' magnitude bits flipped)."""
+    i = t.contiguous().view(torch.int32).long()
+    return torch.where(i >= 0, i, i ^ 0x7FFFFFFF)
+
+
+def _unkey(k: Tensor) -> Tensor:
+    return torch.where(k >= 0, k, k ^ 0x7FFFFFFF).int().view(torch.float32)
+
+
+def mass_at_least(z: Tensor, lse: Tensor, t: Tensor, logit_scale: float) -> Tensor:
+    """Each row's probability mass over its columns whose scaled logit ``u = z·scale`` is at least
+    ``t`` (compiled on CUDA into one reduction over the 16-bit logits: ``_for``)."""
+    u = z.to(torch.float32) * logit_scale
+    return torch.where(u >= t[:, None], torch.exp(u - lse[:, None]), 0.0).sum(-1)
+
+
+def _bisected_rows(z: Tensor, rows: Tensor, logit_scale: float, p_rows: Optional[Tensor], top_p: float,
+                   lse_all: Tensor) -> tuple[Tensor, Tensor]:
+    """``_bisected_edges`` of the ``rows`` of ``z``, a sub-chunk at a time."""
+    count = rows.shape[0]
+    step = chunk_rows(count, z.shape[1], z.device)
+    lse, edge = lse_all.new_empty((count,)), lse_all.new_empty((count,), dtype=torch.long)
+    p = torch.full_like(lse_all, top_p) if p_rows is None else p_rows.to(lse_all.dtype)
+    for start in range(0, count, step):
+        sl = slice(start, min(count, start + step))
+        lse[sl], edge[sl] = _bisected_edges(z[rows[sl]], logit_scale, p[sl], lse_all[sl])
+    return lse, edge
+
+
+def _bisected_edges(z: Tensor, logit_scale: float, p: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """(logsumexp over the kept set, its edge column) of each row from its edge value τ: the largest
+    value whose mass at or above it reaches p (the mass M(t) of the columns of u >= t falls as t rises
+    and changes only at the row's values, so bisection over the values' order keys ends on one of them:
+    the value of the last column the stable descending order keeps). The columns above τ are kept, and
+    of the columns equal to τ, in column order, as many as the mass before each stays below p. M is
+    summed in one fixed order, so it falls with t in floating point too; it is not eager's cumulative
+    sum, so a set decided within rounding of p may end one column off eager's (as on a rollout engine).
+    No sort: BISECT_STEPS reductions over the logits, then one pass for the ties' ranks."""
+    mass = _for(z.device, mass_at_least)
+    u_max, u_min = (_scaled(x, logit_scale, None)[0] for x in (z.amax(-1), z.amin(-1)))
+    lo, hi = _key(u_min), _key(u_max) + 1  # M(lo) = 1 >= p; M(hi) = 0 < p
+    for _ in range(BISECT_STEPS):
+        mid = (lo + hi) // 2
+        ok = mass(z, lse, _unkey(mid), logit_scale) >= p
+        lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
+    tau = _unkey(lo)
+    above = mass(z, lse, _unkey(lo + 1), logit_scale)  # the columns above tau (the next value up): < p
+    u = _scaled(z, logit_scale, None)[0]
+    p_tau = torch.exp(tau - lse)
+    n_tied = (u == tau[:, None]).sum(-1)
+    ties = torch.minimum(torch.ceil((p - above) / p_tau).clamp_min(1).long(), n_tied)
+    return lse + torch.log(above + ties * p_tau), _edge_columns(u, tau, ties)
 
 
 def _sorted_rows(z: Tensor, rows: Optional[Tensor], scale, k_rows, p_rows, top_p, lse_all: Optional[Tensor] = None,

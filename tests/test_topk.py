@@ -432,11 +432,15 @@ def _nucleus_eager(h, w, b, y, top_p, top_k, temperature, dtype=None):
 
 @pytest.mark.parametrize("top_p, top_k", [(0.8, None), (0.5, 40), (0.95, "per_row"), (1.0, None), ("per_row", None),
                                           ("per_row", "per_row")])
-def test_nucleus_log_probs_match_eager(top_p, top_k):
+@pytest.mark.parametrize("bisect", [False, True])
+def test_nucleus_log_probs_match_eager(top_p, top_k, bisect, monkeypatch):
     """Log-probs over each row's top-p (after top-k) kept set against HF's warpers written out:
     −inf on the same rows, values and gradients (the −inf rows' too: eager pushes the kept logits
     down there) within torch's own error, over several row chunks. A per-row p (a tensor, vLLM's
-    per-request parameter) includes rows at p = 1 (every column kept)."""
+    per-request parameter) includes rows at p = 1 (every column kept). ``bisect``: the rows past the
+    candidates bisected (topk.BISECT_DEVICES) instead of sorted."""
+    if bisect:
+        monkeypatch.setattr(topk, "BISECT_DEVICES", ("cpu", "cuda"))
     h, w, b, _ = _inputs(seed=31)
     gen = torch.Generator().manual_seed(32)
     with torch.no_grad():  # ids mostly sampled near the top (inside the kept sets), some not
@@ -1010,3 +1014,53 @@ def test_nucleus_dz_compiled_is_eagers(monkeypatch):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7, equal_nan=True)
                 assert got.isnan().any() == (sl.start == 50)  # row 90's NaN
     assert any(differs) or CUDA, "compiled under a softcap kept eager's sets: the eager fallback is moot here"
+
+
+def test_order_keys_sort_as_their_floats():
+    x = torch.tensor([-float("inf"), -3.5, -1e-30, -0.0, 0.0, 1e-40, 2.0, 3e38, float("inf")])
+    k = topk._key(x)
+    assert (k.diff() > 0).all() and torch.equal(topk._unkey(k), x)
+    assert torch.equal(topk._unkey(k[3:5]).abs(), torch.zeros(2))  # -0 and +0: two keys, one value
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_nucleus_bisection_gives_the_sorted_rows_kept_sets(monkeypatch, compiled, device):
+    """The rows past the candidates bisected (``topk.BISECT_DEVICES``; the mass reduction eager or
+    compiled as on CUDA) keep the sets the sorted rows keep, on rows of every kind (flat, integer
+    logits with ties across the edge, a -inf column; a NaN row and rows at p = 1 still sort): the same
+    edge columns on these rows, logsumexp and log-probs to rounding. (A set decided within rounding of
+    p may end one column off: not on these rows.)"""
+    if device == "cuda" and not CUDA:
+        pytest.skip("needs a CUDA GPU")
+    from inductor_xent import options
+
+    h, w, w_int, b, y, p = (t.to(device) for t in _nucleus_rows())
+    bisected, real = [], topk._bisected_edges
+
+    def spy(z, *args):
+        bisected.append(z.shape[0])
+        return real(z, *args)
+
+    monkeypatch.setattr(topk, "_bisected_edges", spy)
+    if compiled:
+        torch._dynamo.reset()
+        monkeypatch.setattr(topk, "_COMPILED", {})
+        monkeypatch.setattr(topk, "_for", lambda dev, fn: topk._COMPILED.setdefault(fn, options.compiled_per_row(fn)))
+    # bf16 too: its logits take few values, so flat rows' sets end inside ties (the bisection counts them)
+    for hh, weight, bb in ((h, w, b), (h, w_int, b), (h.bfloat16(), w.bfloat16(), b.bfloat16())):
+        for p_rows in (None, p):
+            args = (hh, weight, bb, y, None, p_rows, 0.9, 1 / 0.7, None, -100)
+            monkeypatch.setattr(topk, "NUCLEUS_CANDIDATES", 10**9)
+            whole = topk.NUCLEUS(*args)
+            monkeypatch.setattr(topk, "NUCLEUS_CANDIDATES", 16)
+            monkeypatch.setattr(topk, "BISECT_DEVICES", ("cpu", "cuda"))
+            bisected.clear()
+            part = topk.NUCLEUS(*args)
+            monkeypatch.setattr(topk, "BISECT_DEVICES", ())
+            assert sum(bisected) > 10, bisected
+            assert torch.equal(part[2], whole[2]), (part[2] != whole[2]).nonzero()
+            for a, e in zip(part[:2], whole[:2]):
+                torch.testing.assert_close(a, e, rtol=2e-6, atol=2e-6, equal_nan=True)
+    if compiled:
+        torch._dynamo.reset()
