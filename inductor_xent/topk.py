@@ -373,6 +373,11 @@ def _bound(p_rows: Optional[Tensor], top_p: float, dtype: torch.dtype) -> Union[
     return top_p if p_rows is None else torch.where(p_rows >= 1.0, float("inf"), p_rows.to(dtype))[:, None]
 
 
+def _row_p(p_rows: Optional[Tensor], top_p: float, like: Tensor) -> Tensor:
+    """Each row's p, (r,) in ``like``'s dtype: ``p_rows``, or ``top_p`` for every row."""
+    return torch.full_like(like, top_p) if p_rows is None else p_rows.to(like.dtype)
+
+
 def _prefix_edges(s: Tensor, keep_sorted: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """(count, logsumexp, edge value) of each row's kept prefix of ``s`` (sorted in descending
     order; the prefix up to ``keep_sorted``'s first dropped column)."""
@@ -405,7 +410,7 @@ def _candidate_rows(z: Tensor, scale, k_rows, p_rows, top_p, width: int) -> tupl
         if maxima.shape[1] * BLOCK < z.shape[1]:  # the partial last block
             top = torch.maximum(top, z[:, maxima.shape[1] * BLOCK:].amax(-1))
         top = _scaled(top, *scale)[0]
-        p = torch.full_like(lse, top_p) if p_rows is None else p_rows.to(lse.dtype)
+        p = _row_p(p_rows, top_p, lse)
         maybe = (p < 1.0) & (width * torch.exp(top - lse) >= 0.99 * p)
     return maybe & torch.isfinite(lse), lse, maxima
 
@@ -486,8 +491,7 @@ def _bisectable(z: Tensor, scale, k_rows, p_rows, top_p, lse_all: Tensor) -> Ten
     if (z.device.type not in BISECT_DEVICES or k_rows is not None or scale[1] is not None
             or compute_dtype(z.dtype) != torch.float32):
         return torch.zeros_like(lse_all, dtype=torch.bool)
-    p = torch.full_like(lse_all, top_p) if p_rows is None else p_rows.to(lse_all.dtype)
-    return (p < 1.0) & torch.isfinite(lse_all)
+    return (_row_p(p_rows, top_p, lse_all) < 1.0) & torch.isfinite(lse_all)
 
 
 def _key(t: Tensor) -> Tensor:
@@ -503,7 +507,7 @@ def _unkey(k: Tensor) -> Tensor:
 def mass_at_least(z: Tensor, lse: Tensor, t: Tensor, logit_scale: float) -> Tensor:
     """Each row's probability mass over its columns whose scaled logit ``u = z·scale`` is at least
     ``t`` (compiled on CUDA into one reduction over the 16-bit logits: ``_for``)."""
-    u = z.to(torch.float32) * logit_scale
+    u = _scaled(z, logit_scale, None)[0]  # fp32 (bisection runs where that is the compute dtype)
     return torch.where(u >= t[:, None], torch.exp(u - lse[:, None]), 0.0).sum(-1)
 
 
@@ -513,7 +517,7 @@ def _bisected_rows(z: Tensor, rows: Tensor, logit_scale: float, p_rows: Optional
     count = rows.shape[0]
     step = chunk_rows(count, z.shape[1], z.device)
     lse, edge = lse_all.new_empty((count,)), lse_all.new_empty((count,), dtype=torch.long)
-    p = torch.full_like(lse_all, top_p) if p_rows is None else p_rows.to(lse_all.dtype)
+    p = _row_p(p_rows, top_p, lse_all)
     for start in range(0, count, step):
         sl = slice(start, min(count, start + step))
         lse[sl], edge[sl] = _bisected_edges(z[rows[sl]], logit_scale, p[sl], lse_all[sl])
