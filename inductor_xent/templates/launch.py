@@ -611,7 +611,7 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     count (zeros up to the next K step) and both GEMMs stop at it too: the other rows' grad_hidden is
     0. Without it 16-bit rows take the same GEMMs over every row, so that the pass, which compacts
     nothing where no row is ignored, gives the functional API's bits (the API compacts 16-bit rows
-    unless asked for the argmax); fp32 rows keep cuBLAS's (``rows.compacts``: rows_mm's fp32 error is 3-5x cuBLAS's)."""
+    unless asked for the argmax); fp32 rows keep cuBLAS's (``rows.mm_suits``)."""
     e, m, st = stored
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
@@ -628,7 +628,7 @@ def _stored_in_place(grad_loss, grad_lse, hidden, weight, bias, target, lse, lse
     _stored_dz(stored, None, target, lse, lse_lo, grad_loss, grad_lse, grad_entropy, entropy, dz, dbias, count,
                v, 0, v, opts, cfg)
     dz = dz.to(hidden.dtype)
-    every = count is None and hidden.dtype != torch.float32  # 16-bit rows, none ignored: the full count
+    every = count is None and rows.mm_suits(hidden.dtype)  # none ignored: rows_mm over the full count
     if every:
         count = torch.full((1,), n, dtype=torch.int32, device=hidden.device)
     if count is not None:

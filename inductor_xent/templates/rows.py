@@ -155,13 +155,19 @@ def k_step(dtype: torch.dtype) -> int:
     return mm_config(dtype).block_k
 
 
-def compacts(dtype: torch.dtype) -> bool:
-    """Whether the Triton launchers compact the rows of inputs of this dtype: 16-bit only. With fp32
+def mm_suits(dtype: torch.dtype) -> bool:
+    """Whether rows_mm serves the gradient GEMMs of inputs of this dtype: 16-bit only. With fp32
     operands rows_mm_kernel sums the long vocabulary contraction of grad_hidden (dz·W, K = V) in one
     fp32 FMA chain per output, which measured 3-5x cuBLAS's error there (H200, V = 50257 to 256000:
     relative error 4e-6 to 7e-6 against torch's 1.1e-6 to 2.7e-6); fp32 heads keep cuBLAS's dense
-    GEMMs (the chunked CPU path skips the rows in every dtype)."""
-    return config.skip_ignored_rows() and dtype != torch.float32
+    GEMMs."""
+    return dtype != torch.float32
+
+
+def compacts(dtype: torch.dtype) -> bool:
+    """Whether the Triton launchers compact the rows of inputs of this dtype: where row skipping is on
+    and rows_mm serves the dtype (``mm_suits``; the chunked CPU path skips the rows in every dtype)."""
+    return config.skip_ignored_rows() and mm_suits(dtype)
 
 
 def _tma_ok(cfg: KernelConfig, *tensors: Tensor) -> bool:
