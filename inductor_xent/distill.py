@@ -3,7 +3,8 @@
 
 A student head (hidden ``[N, Ds]``, weight ``[V, Ds]``) and a teacher head (``[N, Dt]``, ``[V, Dt]``,
 ``Dt`` may differ) over one vocabulary; per row, with ``u = z * scale`` (a temperature ``T`` is
-``scale = 1/T``), ``q = softmax(u_student)``, ``p = softmax(u_teacher)``:
+``scale = 1/T``; a head with a softcap ``c`` has ``u = c·tanh(z/c) * scale``, Gemma 2's capped logits
+over the temperature), ``q = softmax(u_student)``, ``p = softmax(u_teacher)``:
 
 * ``forward_kl``: ``KL(p ‖ q) = Σ p (log p − log q)`` (Hinton's KD; ``F.kl_div(log q, p)``),
 * ``reverse_kl``: ``KL(q ‖ p) = Σ q (log q − log p)``,
@@ -56,21 +57,22 @@ casts, as in eager autocast.
 
 ``inductor_xent::linear_distill_fwd(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
 scale_s, scale_t, reduction, needs, soft_weight=1.0, hard_weight=0.0, mask_divergence=True,
-store_budget="") -> (loss, gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the loss ((N,) or 0-dim float32)
-and, for a reduced loss, the gradients (empty where not needed; not differentiable);
+store_budget="", softcap_s=None, softcap_t=None) -> (loss, gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)``: the
+loss ((N,) or 0-dim float32) and, for a reduced loss, the gradients (empty where not needed; not differentiable);
 ``inductor_xent::linear_distill_bwd(grad_rows, ...)`` the per-row case's backward. The loss is
 ``soft_weight`` times the divergence plus ``hard_weight`` times the student's hard-label
 cross-entropy of ``target`` (its raw logits, the mean over the labelled rows; per row for
 ``none``), both from the same chunk of student logits; ``mask_divergence`` False counts every
 row's divergence, the unlabelled ones too (the pass's ``α·CE + β·KD``, whose KD has no mask);
-``store_budget`` is ``keeps_dz``'s (``""``: the configured one).
+``store_budget`` is ``keeps_dz``'s (``""``: the configured one); ``softcap_s`` / ``softcap_t`` each head's
+softcap (None: none), the cross-entropy reading the student's capped logits.
 
 ``inductor_xent::linear_distill_recompute_fwd(<linear_distill_fwd's arguments but store_budget>) ->
 (loss, stats)``: the loss and ``[N, STATS]`` per-row statistics; its autograd formula calls
 ``inductor_xent::linear_distill_recompute_bwd(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target,
-kind, beta, scale_s, scale_t, needs) -> (gh_s, gw_s, gb_s, gh_t, gw_t, gb_t)`` with each divergence
-row's and cross-entropy row's incoming gradient (the reduction's weights folded in). The functional
-API and the pass call it where ``recomputes``.
+kind, beta, scale_s, scale_t, needs, softcap_s=None, softcap_t=None) -> (gh_s, gw_s, gb_s, gh_t, gw_t,
+gb_t)`` with each divergence row's and cross-entropy row's incoming gradient (the reduction's weights
+folded in). The functional API and the pass call it where ``recomputes``.
 """
 
 from __future__ import annotations
@@ -140,6 +142,15 @@ def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grad
     return size <= (amount * size if kind == "logits" else amount)
 
 
+def _capped(z: Tensor, cap: Optional[float]) -> tuple[Tensor, Optional[Tensor]]:
+    """(``cap·tanh(z/cap)``, its derivative ``1 − tanh²(z/cap)``) for a head's softcap (its raw logits
+    capped before the temperature, as Gemma 2's model caps them); ``(z, None)`` without one."""
+    if cap is None:
+        return z, None
+    t = torch.tanh(z / cap)
+    return t * cap, 1 - t * t
+
+
 def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: bool):
     """Per row of one chunk (fp32 scaled logits ``us``, ``ut``): the divergence, and its gradients
     with respect to ``us`` and ``ut`` (None where not asked)."""
@@ -194,22 +205,25 @@ def _du(kind: str, beta: float, ls: Tensor, lt: Tensor, q: Tensor, p: Tensor, ro
 
 def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Tensor], kind: str, beta: float,
                 scale_s: float, scale_t: float, grad_s: bool, grad_t: bool, target: Optional[Tensor] = None,
-                g_ce: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None, unwritten: bool = False):
+                g_ce: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None, unwritten: bool = False,
+                caps: tuple = (None, None)):
     """One chunk's rows (0 where not ``valid``) and the gradients with respect to the two heads'
     logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``.
     With ``target`` also the student's hard-label cross-entropy rows ``lse(zs) − zs[target]`` (its
     raw logits, no temperature; 0 where not ``ce_valid``), returned third, and with ``g_ce`` (its
     rows' gradients) their gradient ``softmax(zs) − onehot`` joins the student's. ``unwritten``: the
     logits of rows not ``valid`` may be any bits (a count-bounded GEMM left them), so their gradients
-    are set to exactly 0 (a product with a 0 weight would keep a NaN)."""
+    are set to exactly 0 (a product with a 0 weight would keep a NaN). ``caps``: each head's softcap
+    (``_capped``, before its scale; the cross-entropy reads the student's capped logits)."""
     work = compute_dtype(zs.dtype)
-    rows, du_s, du_t = _rows(kind, beta, zs.to(work) * scale_s, zt.to(work) * scale_t, grad_s, grad_t)
+    (cs, ds), (ct, dt) = _capped(zs.to(work), caps[0]), _capped(zt.to(work), caps[1])
+    rows, du_s, du_t = _rows(kind, beta, cs * scale_s, ct * scale_t, grad_s, grad_t)
     if valid is not None:
         rows = torch.where(valid, rows, 0.0)
         g = None if g is None else torch.where(valid, g, 0.0)
     ce = du_ce = None
     if target is not None:
-        ls1 = torch.log_softmax(zs.to(work), -1)
+        ls1 = torch.log_softmax(cs, -1)
         t = torch.where(ce_valid, target, 0)[:, None]
         ce = torch.where(ce_valid, -ls1.gather(1, t)[:, 0], 0.0)
         if g_ce is not None and grad_s:
@@ -219,6 +233,7 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     if du_ce is not None:
         dz_s = du_ce if dz_s is None else dz_s + du_ce
     dz_t = None if du_t is None else du_t * (g * scale_t)[:, None]
+    dz_s, dz_t = _through_caps(dz_s, ds), _through_caps(dz_t, dt)
     if unwritten and valid is not None:  # exactly 0, whatever the logits (a count-bounded GEMM left them)
         dz_s = None if dz_s is None else torch.where(valid[:, None], dz_s, 0.0)
         dz_t = None if dz_t is None else torch.where(valid[:, None], dz_t, 0.0)
@@ -227,14 +242,19 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
 
 def _chunk_math_into(dz: Tensor, zt: Tensor, g: Tensor, valid: Optional[Tensor], kind: str, beta: float,
                      scale_s: float, scale_t: float, target: Optional[Tensor] = None, g_ce: Optional[Tensor] = None,
-                     ce_valid: Optional[Tensor] = None, unwritten: bool = False):
+                     ce_valid: Optional[Tensor] = None, unwritten: bool = False, caps: tuple = (None, None)):
     """``_chunk_math`` for ``keeps_dz``: ``dz`` holds the chunk's student logits and gets their
     gradient in place (0 on the rows not ``valid``); returns the rows (and the cross-entropy rows or
     None)."""
     rows, dz_s, ce, _ = _chunk_math(dz, zt, g, valid, kind, beta, scale_s, scale_t, True, False, target, g_ce,
-                                    ce_valid, unwritten)
+                                    ce_valid, unwritten, caps)
     dz.copy_(dz_s)
     return rows, ce
+
+
+def _through_caps(dz: Optional[Tensor], dcap: Optional[Tensor]) -> Optional[Tensor]:
+    """A gradient with respect to the capped logits as one with respect to the raw ones."""
+    return dz if dz is None or dcap is None else dz * dcap
 
 
 _fused = {}
@@ -264,12 +284,13 @@ def _acc_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
 
 def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
             scale_t: float, row_grad: Optional[Tensor], needs: tuple, ce: bool = False,
-            ce_grad: Optional[Tensor] = None, mask_divergence: bool = True, store_budget: str = ""):
+            ce_grad: Optional[Tensor] = None, mask_divergence: bool = True, store_budget: str = "",
+            caps: tuple = (None, None)):
     """The loss rows (and with ``ce`` the student's hard-label cross-entropy rows, else None) and,
     when ``row_grad`` (the incoming gradient of each divergence row) is given, the gradients
     ``needs`` asks for (hs, ws, bs, ht, wt, bt); ``ce_grad`` those of the cross-entropy rows.
     ``mask_divergence`` False: the divergence of every row, the target's ignored ones included.
-    ``store_budget``: ``keeps_dz``'s."""
+    ``store_budget``: ``keeps_dz``'s; ``caps``: the heads' softcaps (``_chunk_math``)."""
     n, v = hs.shape[0], ws.shape[0]
     work = compute_dtype(hs.dtype)
     rows_out = torch.empty(n, device=hs.device, dtype=work)
@@ -279,14 +300,14 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
     if idx is not None:  # on CPU: the labelled rows alone, the others' rows and hidden gradients 0
         sub = [None if t is None else t.index_select(0, idx) for t in (hs, ht, target, row_grad, ce_grad)]
         rows, ce_rows, grads = _chunks(sub[0], ws, bs, sub[1], wt, bt, sub[2], ignore_index, kind, beta, scale_s,
-                                       scale_t, sub[3], needs, ce, sub[4], mask_divergence, store_budget)
+                                       scale_t, sub[3], needs, ce, sub[4], mask_divergence, store_budget, caps)
         for i in (0, 3):
             grads[i] = _scattered(grads[i], idx, n)
         return _scattered(rows, idx, n), _scattered(ce_rows, idx, n), grads
     keep = keeps_dz(n, v, hs.dtype, hs.device, row_grad is not None, needs, store_budget)
     if keep:
         return _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, row_grad,
-                               needs, rows_out, ce_out, ce_grad, mask_divergence)
+                               needs, rows_out, ce_out, ce_grad, mask_divergence, caps)
     step = chunk_rows(n, v, hs.device)
     grads = [None] * 6
     if row_grad is not None:
@@ -317,7 +338,7 @@ def _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: 
         g = None if row_grad is None else row_grad[sl]
         rows, dz_s, ce_rows, dz_t = math_fn(zs, zt, g, valid, kind, beta, scale_s, scale_t, grad_s, grad_t,
                                             target[sl] if ce else None, None if ce_grad is None else ce_grad[sl],
-                                            labelled if ce else None, skip)
+                                            labelled if ce else None, skip, caps)
         del zs, zt
         rows_out[sl] = rows
         if ce:
@@ -405,7 +426,7 @@ def _scattered(part: Optional[Tensor], idx: Tensor, n: int) -> Optional[Tensor]:
 
 def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
                     scale_t: float, row_grad: Tensor, needs: tuple, rows_out: Tensor, ce_out: Optional[Tensor],
-                    ce_grad: Optional[Tensor], mask_divergence: bool):
+                    ce_grad: Optional[Tensor], mask_divergence: bool, caps: tuple = (None, None)):
     """``_chunks`` when ``keeps_dz``: the student's gradient logits of every row in one ``[N, V]``
     tensor (each chunk's GEMM writes its logits there, its math their gradient over them), the
     student's gradients from all of it at the end. Where ``skips_rows``, the labelled rows first and
@@ -438,7 +459,7 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
         rows_out[sl], ce_rows = math_fn(part, zt, row_grad[sl], labelled if mask_divergence else None, kind, beta,
                                         scale_s, scale_t, target[sl] if ce_out is not None else None,
                                         None if ce_grad is None else ce_grad[sl],
-                                        labelled if ce_out is not None else None, skip)
+                                        labelled if ce_out is not None else None, skip, caps)
         del zt
         if ce_out is not None:
             ce_out[sl] = ce_rows
@@ -497,13 +518,14 @@ def recompute_slice(count: int, across: int, device: torch.device, itemsize: int
 
 
 def _stats_math(zs: Tensor, zt: Tensor, valid: Optional[Tensor], kind: str, beta: float, scale_s: float,
-                scale_t: float, target: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None):
+                scale_t: float, target: Optional[Tensor] = None, ce_valid: Optional[Tensor] = None,
+                caps: tuple = (None, None)):
     """The recompute forward on a chunk of rows: (the divergence rows, 0 where not ``valid``; with
     ``target`` the cross-entropy rows, 0 where not ``ce_valid``, else None; the ``[rows, STATS]``
-    statistics)."""
+    statistics); ``caps``: ``_chunk_math``'s."""
     work = compute_dtype(zs.dtype)
-    zw = zs.to(work)
-    us, ut = zw * scale_s, zt.to(work) * scale_t
+    zw, ztw = _capped(zs.to(work), caps[0])[0], _capped(zt.to(work), caps[1])[0]
+    us, ut = zw * scale_s, ztw * scale_t
     lse_s, lse_t = us.logsumexp(-1), ut.logsumexp(-1)
     ls, lt = us - lse_s[:, None], ut - lse_t[:, None]
     rows, _, _, js_s, js_t = _divergence(kind, beta, ls, lt, ls.exp(), lt.exp())
@@ -519,16 +541,17 @@ def _stats_math(zs: Tensor, zt: Tensor, valid: Optional[Tensor], kind: str, beta
 
 def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Optional[Tensor], col: Optional[Tensor],
                     kind: str, beta: float, scale_s: float, scale_t: float, grad_s: bool, grad_t: bool,
-                    live: Optional[Tensor] = None):
+                    live: Optional[Tensor] = None, caps: tuple = (None, None)):
     """The recompute backward on a chunk of columns of every row: the gradients with respect to both
     heads' logits of those columns (in their dtype; None where not asked) from the forward's
     statistics. ``g``: each divergence row's incoming gradient (0 where not counted); ``g_ce``: each
     cross-entropy row's (0 where unlabelled) or None; ``col``: each row's target column within the
     chunk (the one-hot's; none outside ``[0, columns)``); ``live``: the rows whose gradients are
-    computed (the others exactly 0, whatever their logits: a count-bounded GEMM did not write them)."""
+    computed (the others exactly 0, whatever their logits: a count-bounded GEMM did not write them);
+    ``caps``: ``_chunk_math``'s."""
     work = compute_dtype(zs.dtype)
-    zw = zs.to(work)
-    ls, lt = zw * scale_s - stats[:, 0:1], zt.to(work) * scale_t - stats[:, 1:2]
+    (zw, ds), (ztw, dt) = _capped(zs.to(work), caps[0]), _capped(zt.to(work), caps[1])
+    ls, lt = zw * scale_s - stats[:, 0:1], ztw * scale_t - stats[:, 1:2]
     gs, gt = _mixture_logs(beta, ls, lt) if kind == "jsd" else (None, None)
     du_s, du_t = _du(kind, beta, ls, lt, ls.exp(), lt.exp(), stats[:, 2], gs, gt, stats[:, 3], stats[:, 4], grad_s,
                      grad_t)
@@ -539,6 +562,7 @@ def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Opti
             1, torch.where(inside, col, 0)[:, None], torch.where(inside, -g_ce, 0.0)[:, None])
         dz_s = du_ce if dz_s is None else dz_s + du_ce
     dz_t = None if du_t is None else du_t * (g * scale_t)[:, None]
+    dz_s, dz_t = _through_caps(dz_s, ds), _through_caps(dz_t, dt)
     if live is not None:
         dz_s = None if dz_s is None else torch.where(live[:, None], dz_s, 0.0)
         dz_t = None if dz_t is None else torch.where(live[:, None], dz_t, 0.0)
@@ -546,10 +570,10 @@ def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Opti
 
 
 def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str, beta: float, scale_s: float,
-                       scale_t: float, ce: bool, mask_divergence: bool):
+                       scale_t: float, ce: bool, mask_divergence: bool, caps: tuple = (None, None)):
     """The divergence rows, the cross-entropy rows (with ``ce``, else None) and the statistics, over
     row chunks of both heads' logits; where ``skips_rows``, of the labelled rows only (the others'
-    rows and statistics 0)."""
+    rows and statistics 0); ``caps``: the heads' softcaps."""
     n, v = hs.shape[0], ws.shape[0]
     work = compute_dtype(hs.dtype)
     out = [torch.empty(n, device=hs.device, dtype=work), torch.empty(n, device=hs.device, dtype=work) if ce else None,
@@ -561,7 +585,7 @@ def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: 
     if idx is not None:  # on CPU: the labelled rows alone, the others' rows and statistics 0
         sub = [t.index_select(0, idx) for t in (hs, ht, target)]
         parts = _recompute_forward(sub[0], ws, bs, sub[1], wt, bt, sub[2], ignore_index, kind, beta, scale_s, scale_t,
-                                   ce, mask_divergence)
+                                   ce, mask_divergence, caps)
         return tuple(_scattered(t, idx, n) for t in parts)
     rows_out, ce_out, stats = out
     if skip:  # the labelled rows first; the chunks write these, scattered back at the end
@@ -578,7 +602,7 @@ def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: 
         labelled = None if target is None else (target[sl] != ignore_index)
         rows_out[sl], ce_rows, stats[sl] = math_fn(zs, zt, labelled if mask_divergence else None, kind, beta,
                                                    scale_s, scale_t, target[sl] if ce else None,
-                                                   labelled if ce else None)
+                                                   labelled if ce else None, caps)
         del zs, zt
         if ce:
             ce_out[sl] = ce_rows
@@ -593,10 +617,11 @@ def _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: 
 
 
 def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor, hs, ws, bs, ht, wt, bt,
-                     target: Optional[Tensor], kind: str, beta: float, scale_s: float, scale_t: float, needs) -> list:
+                     target: Optional[Tensor], kind: str, beta: float, scale_s: float, scale_t: float, needs,
+                     caps: tuple = (None, None)) -> list:
     """The gradients ``needs`` asks for (hs, ws, bs, ht, wt, bt; None elsewhere), over column chunks
     of the vocabulary: each chunk's weight (and bias) gradient rows are whole (one GEMM over every
-    row, rounded once); the hidden states' sum over the chunks in fp32."""
+    row, rounded once); the hidden states' sum over the chunks in fp32. ``caps``: the heads' softcaps."""
     n, v = hs.shape[0], ws.shape[0]
     work = compute_dtype(hs.dtype)
     heads = ((hs, ws, bs), (ht, wt, bt))
@@ -621,7 +646,7 @@ def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor,
     if idx is not None:  # on CPU: the rows with an incoming gradient alone, the others' hidden gradients 0
         sub = [None if t is None else t.index_select(0, idx) for t in (grad_div, grad_ce, stats, hs, ht, target)]
         grads = _recompute_grads(sub[0], sub[1], sub[2], sub[3], ws, bs, sub[4], wt, bt, sub[5], kind, beta, scale_s,
-                                 scale_t, needs)
+                                 scale_t, needs, caps)
         for i in (0, 3):
             grads[i] = _scattered(grads[i], idx, n)
         return grads
@@ -640,7 +665,7 @@ def _recompute_grads(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor,
             zs = F.linear(hs, ws[cols], None if bs is None else bs[cols])
             zt = F.linear(ht, wt[cols], None if bt is None else bt[cols])
         col = None if grad_ce is None else target - start
-        dzs = math_fn(zs, zt, stats, grad_div, grad_ce, col, kind, beta, scale_s, scale_t, grad_s, grad_t, live)
+        dzs = math_fn(zs, zt, stats, grad_div, grad_ce, col, kind, beta, scale_s, scale_t, grad_s, grad_t, live, caps)
         del zs, zt
         for dz, (h, w, _), first in zip(dzs, heads, (0, 3)):
             if dz is None:
@@ -713,10 +738,11 @@ def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor,
                        target: Optional[Tensor], ignore_index: int, kind: str, beta: float, scale_s: float,
                        scale_t: float, reduction: str, needs: list[bool], soft_weight: float = 1.0,
                        hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "",
+                       softcap_s: Optional[float] = None, softcap_t: Optional[float] = None,
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    _check_weights(target, soft_weight, hard_weight)
+    _check_weights(target, soft_weight, hard_weight, softcap_s, softcap_t)
     ce = hard_weight != 0.0
-    mixing = dict(ce=ce, mask_divergence=mask_divergence, store_budget=store_budget)
+    mixing = dict(ce=ce, mask_divergence=mask_divergence, store_budget=store_budget, caps=(softcap_s, softcap_t))
     if reduction == "none":
         rows, ce_rows, _ = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, None,
                                    needs, **mixing)
@@ -730,12 +756,16 @@ def linear_distill_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], ht: Tensor,
     return (loss, *(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt))))
 
 
-def _check_weights(target: Optional[Tensor], soft_weight: float, hard_weight: float) -> None:
+def _check_weights(target: Optional[Tensor], soft_weight: float, hard_weight: float,
+                   softcap_s: Optional[float] = None, softcap_t: Optional[float] = None) -> None:
     if hard_weight != 0.0 and target is None:
         raise ValueError("a hard-label cross-entropy (hard_weight != 0) needs the target")
     for name, x in (("soft_weight", soft_weight), ("hard_weight", hard_weight)):
         if not math.isfinite(x):
             raise ValueError(f"{name} must be finite, got {x}")
+    for name, cap in (("softcap_s", softcap_s), ("softcap_t", softcap_t)):
+        if cap is not None and not (math.isfinite(cap) and cap > 0):
+            raise ValueError(f"{name} must be None or a finite number > 0, got {cap}")
 
 
 def _mixed(rows: Tensor, ce_rows: Optional[Tensor], soft_weight: float, hard_weight: float) -> Tensor:
@@ -746,7 +776,7 @@ def _mixed(rows: Tensor, ce_rows: Optional[Tensor], soft_weight: float, hard_wei
 
 @linear_distill_fwd.register_fake
 def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, soft_weight=1.0,
-      hard_weight=0.0, mask_divergence=True, store_budget=""):
+      hard_weight=0.0, mask_divergence=True, store_budget="", softcap_s=None, softcap_t=None):
     dt = compute_dtype(hs.dtype)
     loss = hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt)
     grads = [t.new_empty(t.shape) if (need and t is not None and reduction != "none") else
@@ -760,18 +790,19 @@ def linear_distill_bwd(grad_rows: Tensor, hs: Tensor, ws: Tensor, bs: Optional[T
                        bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str, beta: float,
                        scale_s: float, scale_t: float, needs: list[bool], soft_weight: float = 1.0,
                        hard_weight: float = 0.0, mask_divergence: bool = True, store_budget: str = "",
+                       softcap_s: Optional[float] = None, softcap_t: Optional[float] = None,
                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     g = grad_rows.to(compute_dtype(hs.dtype))
     ce = hard_weight != 0.0
     _, _, grads = _chunks(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t,
                           g * soft_weight, needs, ce=ce, ce_grad=g * hard_weight if ce else None,
-                          mask_divergence=mask_divergence, store_budget=store_budget)
+                          mask_divergence=mask_divergence, store_budget=store_budget, caps=(softcap_s, softcap_t))
     return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
 
 
 @linear_distill_bwd.register_fake
 def _(grad_rows, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, needs, soft_weight=1.0,
-      hard_weight=0.0, mask_divergence=True, store_budget=""):
+      hard_weight=0.0, mask_divergence=True, store_budget="", softcap_s=None, softcap_t=None):
     return _fake_grads((hs, ws, bs, ht, wt, bt), needs)
 
 
@@ -794,8 +825,8 @@ def _keep_options(ctx, inputs, defaults: tuple) -> None:
 
 
 def _setup_context(ctx, inputs, output):
-    # (soft_weight, hard_weight, mask_divergence, store_budget), the defaults where not given
-    _keep_options(ctx, inputs, (1.0, 0.0, True, ""))
+    # (soft_weight, hard_weight, mask_divergence, store_budget, softcap_s, softcap_t), the defaults where not given
+    _keep_options(ctx, inputs, (1.0, 0.0, True, "", None, None))
     if ctx.reduction == "none":
         ctx.save_for_backward(*inputs[:7])
     else:
@@ -824,10 +855,11 @@ def linear_distill_recompute_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], h
                                  bt: Optional[Tensor], target: Optional[Tensor], ignore_index: int, kind: str,
                                  beta: float, scale_s: float, scale_t: float, reduction: str, needs: list[bool],
                                  soft_weight: float = 1.0, hard_weight: float = 0.0, mask_divergence: bool = True,
+                                 softcap_s: Optional[float] = None, softcap_t: Optional[float] = None,
                                  ) -> tuple[Tensor, Tensor]:
-    _check_weights(target, soft_weight, hard_weight)
+    _check_weights(target, soft_weight, hard_weight, softcap_s, softcap_t)
     rows, ce_rows, stats = _recompute_forward(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s,
-                                              scale_t, hard_weight != 0.0, mask_divergence)
+                                              scale_t, hard_weight != 0.0, mask_divergence, (softcap_s, softcap_t))
     if reduction == "none":
         return _mixed(rows, ce_rows, soft_weight, hard_weight), stats
     labelled, valid = _masks(target, ignore_index, hs.shape[0], hs.device, mask_divergence)
@@ -836,7 +868,7 @@ def linear_distill_recompute_fwd(hs: Tensor, ws: Tensor, bs: Optional[Tensor], h
 
 @linear_distill_recompute_fwd.register_fake
 def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t, reduction, needs, soft_weight=1.0,
-      hard_weight=0.0, mask_divergence=True):
+      hard_weight=0.0, mask_divergence=True, softcap_s=None, softcap_t=None):
     dt = compute_dtype(hs.dtype)
     return (hs.new_empty(hs.shape[:1] if reduction == "none" else (), dtype=dt),
             hs.new_empty((hs.shape[0], STATS), dtype=dt))
@@ -847,27 +879,29 @@ def _(hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta, scale_s, scale_t
 def linear_distill_recompute_bwd(grad_div: Tensor, grad_ce: Optional[Tensor], stats: Tensor, hs: Tensor, ws: Tensor,
                                  bs: Optional[Tensor], ht: Tensor, wt: Tensor, bt: Optional[Tensor],
                                  target: Optional[Tensor], kind: str, beta: float, scale_s: float, scale_t: float,
-                                 needs: list[bool],
+                                 needs: list[bool], softcap_s: Optional[float] = None,
+                                 softcap_t: Optional[float] = None,
                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     grads = _recompute_grads(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta, scale_s, scale_t,
-                             needs)
+                             needs, (softcap_s, softcap_t))
     return tuple(g if g is not None else _empty(t, hs) for g, t in zip(grads, (hs, ws, bs, ht, wt, bt)))
 
 
 @linear_distill_recompute_bwd.register_fake
-def _(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta, scale_s, scale_t, needs):
+def _(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta, scale_s, scale_t, needs, softcap_s=None,
+      softcap_t=None):
     return _fake_grads((hs, ws, bs, ht, wt, bt), needs)
 
 
 def _recompute_setup_context(ctx, inputs, output):
-    _keep_options(ctx, inputs, (1.0, 0.0, True))
+    _keep_options(ctx, inputs, (1.0, 0.0, True, None, None))
     ctx.save_for_backward(*inputs[:7], output[1])
 
 
 def _recompute_backward(ctx, grad_loss, _grad_stats):
     ignore_index, kind, beta, scale_s, scale_t, needs = ctx.options
     reduction = ctx.reduction
-    soft_weight, hard_weight, mask_divergence = ctx.weights
+    soft_weight, hard_weight, mask_divergence, *caps = ctx.weights
     hs, ws, bs, ht, wt, bt, target, stats = ctx.saved_tensors
     work = compute_dtype(hs.dtype)
     labelled, valid = _masks(target, ignore_index, hs.shape[0], hs.device, mask_divergence)
@@ -879,7 +913,7 @@ def _recompute_backward(ctx, grad_loss, _grad_stats):
         row_grad, ce_grad = _row_grads(labelled, valid, reduction, work, soft_weight, hard_weight)
         grad_div, grad_ce = row_grad * g, None if ce_grad is None else ce_grad * g
     grads = linear_distill_recompute_bwd(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta,
-                                         scale_s, scale_t, needs)
+                                         scale_s, scale_t, needs, *caps)
     out = [gr if (need and gr.numel()) else None for gr, need in zip(grads, needs)]
     return (*out, *(None,) * (ctx.n_inputs - 6))
 
@@ -904,6 +938,8 @@ def linear_distillation_loss(
     soft_weight: float = 1.0,
     hard_weight: float = 0.0,
     store_budget: Optional[str | int] = None,
+    student_softcap: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
 ) -> Tensor:
     """The divergence between a student and a teacher lm_head (module docstring), without the
     ``[N, V]`` logits of either (on CUDA one ``[N, V]`` tensor of the student's gradient logits
@@ -915,6 +951,7 @@ def linear_distillation_loss(
 
         s = F.linear(student_hidden, student_weight, student_bias).float() / temperature
         t = F.linear(teacher_hidden, teacher_weight, teacher_bias).float() / temperature
+        # with student_softcap c (teacher_softcap alike): s = c * torch.tanh(F.linear(...).float() / c) / temperature
         rows = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
         # (forward_kl; 0 where target == ignore_index), then reduced by ``reduction``
 
@@ -928,7 +965,10 @@ def linear_distillation_loss(
     smaller nonzero budget keeps none (the chunks then add into an fp32 ``[V, Ds]`` weight-gradient
     accumulator); ``0`` (or ``INDUCTOR_XENT_STRATEGY=recompute``) keeps only per-row statistics and
     recomputes both heads in the backward over vocabulary chunks: the least memory (an fp32 ``[N, D]``
-    per trained head and one chunk), both heads' GEMMs twice."""
+    per trained head and one chunk), both heads' GEMMs twice. ``student_softcap`` / ``teacher_softcap``
+    cap that head's logits, ``c·tanh(z/c)``, before the temperature (Gemma 2's
+    ``final_logit_softcapping``, as its model's ``logits`` are capped); the hard-label cross-entropy
+    reads the student's capped logits, as Gemma 2's loss does."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if reduction not in REDUCTIONS:
@@ -941,6 +981,10 @@ def linear_distillation_loss(
     if kind == "jsd" and not 0.0 < beta < 1.0:
         raise ValueError(f"jsd needs 0 < beta < 1 (beta 0 is forward_kl, 1 reverse_kl), got {beta}")
     options.check_temperature(temperature)
+    for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
+                                or not (math.isfinite(cap) and cap > 0)):
+            raise ValueError(f"{name} must be None or a finite number > 0, got {cap!r}")
     if store_budget is not None:
         config.parse_budget(store_budget)
     if student_weight.dim() != 2 or teacher_weight.dim() != 2 or student_weight.shape[0] != teacher_weight.shape[0]:
@@ -967,6 +1011,9 @@ def linear_distillation_loss(
     budget = "" if store_budget is None else str(store_budget)
     args = (hs, student_weight, student_bias, ht, teacher_weight, teacher_bias, t1, ignore_index, kind, float(beta),
             1.0 / temperature, 1.0 / temperature, reduction, needs, float(soft_weight), float(hard_weight), True)
-    out = (linear_distill_recompute_fwd(*args) if recomputes(needs, budget) else
-           linear_distill_fwd(*args, budget))[0]
+    caps = {} if student_softcap is None and teacher_softcap is None else dict(
+        softcap_s=None if student_softcap is None else float(student_softcap),
+        softcap_t=None if teacher_softcap is None else float(teacher_softcap))
+    out = (linear_distill_recompute_fwd(*args, **caps) if recomputes(needs, budget) else
+           linear_distill_fwd(*args, budget, **caps))[0]
     return out.reshape(lead) if reduction == "none" else out

@@ -33,10 +33,17 @@ def _inputs(seed=0, dtype=torch.float32):
                 wt=(torch.randn(V, DT, generator=g) * 0.7).to(dtype), y=y)
 
 
-def _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=None):
-    """The divergence written out in PyTorch, on logits computed in the inputs' dtype."""
-    s = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32) / temperature
-    t = F.linear(ht, wt).to(s.dtype) / temperature
+def _capped(z, cap):
+    """Gemma 2's softcap as its model spells it (in the logits' dtype), or ``z``."""
+    return z if cap is None else torch.tanh(z / cap) * cap
+
+
+def _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=None, caps=(None, None)):
+    """The divergence written out in PyTorch, on logits computed in the inputs' dtype (each head
+    softcapped by ``caps`` before the temperature)."""
+    wide = torch.float64 if hs.dtype == torch.float64 else torch.float32
+    s = _capped(F.linear(hs, ws, bs), caps[0]).to(wide) / temperature
+    t = _capped(F.linear(ht, wt), caps[1]).to(s.dtype) / temperature
     ls, lt = s.log_softmax(-1), t.log_softmax(-1)
     if kind == "forward_kl":
         rows = F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1)
@@ -63,11 +70,11 @@ def _run(fn, ins: dict, dtype=None, teacher_grad=True):
     return out.detach(), {k: v for k, v in zip(names, grads) if v is not None}
 
 
-def _mixed_reference(hs, ws, bs, ht, wt, y, kind, beta, temperature, reduction, soft, hard):
-    """soft · the divergence + hard · the student's hard-label cross-entropy (its raw logits; the mean
-    over labelled rows, per row for "none"), computed apart."""
-    kd = _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=bs)
-    z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
+def _mixed_reference(hs, ws, bs, ht, wt, y, kind, beta, temperature, reduction, soft, hard, caps=(None, None)):
+    """soft · the divergence + hard · the student's hard-label cross-entropy (its raw logits, softcapped
+    by ``caps[0]``; the mean over labelled rows, per row for "none"), computed apart."""
+    kd = _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=bs, caps=caps)
+    z = _capped(F.linear(hs, ws, bs), caps[0]).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
     ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), y.reshape(-1), reduction="none" if reduction == "none" else "mean")
     return soft * kd + hard * ce.reshape(kd.shape)
 
@@ -149,6 +156,48 @@ def test_op_in_bfloat16_within_torch_error():
     for k in grads:
         assert grads[k].dtype == torch.bfloat16
         assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"bf16 grad {k}")
+
+
+@pytest.mark.parametrize("path", ["accumulating", "kept", "recompute"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_softcapped_heads_match_float64(kind, path, request):
+    """Each head's softcap before the temperature (Gemma 2's), the hard-label CE over the student's
+    capped logits: the loss and every gradient within torch's error of float64, on each of the three
+    paths. Caps of the logits' size, so that a cap left out, or applied after the temperature, fails."""
+    fixture = {"kept": "keep_dz_on_cpu", "recompute": "recompute_chunks"}.get(path)
+    calls = request.getfixturevalue(fixture) if fixture else None
+    ins = _inputs(seed=9)
+    caps = (1.5, 2.5)
+    kw = dict(kind=kind, beta=0.3, temperature=1.7, reduction="mean", soft_weight=1.3, hard_weight=0.4,
+              student_softcap=caps[0], teacher_softcap=caps[1], store_budget=0 if path == "recompute" else None)
+
+    def ours(hs, ws, bs, ht, wt, y):
+        return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, **kw)
+
+    def theirs(hs, ws, bs, ht, wt, y):
+        return _mixed_reference(hs, ws, bs, ht, wt, y, kind, 0.3, 1.7, "mean", 1.3, 0.4, caps=caps)
+
+    out, grads = _run(ours, ins, teacher_grad=path != "kept")  # the kept path trains the student alone
+    same, same_g = _run(theirs, ins, teacher_grad=path != "kept")
+    exact, exact_g = _run(theirs, ins, torch.float64, teacher_grad=path != "kept")
+    assert_within_torch_error(out, same, exact, what=f"{kind} {path} loss")
+    assert set(grads) == set(same_g)
+    for k in grads:
+        assert_within_torch_error(grads[k], same_g[k], exact_g[k], what=f"{kind} {path} grad {k}")
+    if calls is not None:
+        assert calls, f"the {path} path did not run"
+    uncapped = linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], ins["y"], student_bias=ins["bs"],
+                                        **{**kw, "student_softcap": None, "teacher_softcap": None})
+    assert not torch.allclose(uncapped, out, rtol=1e-3), "caps this small must change the loss"
+
+
+def test_softcaps_are_checked():
+    ins = _inputs()
+    for bad in (0.0, -1.0, float("inf"), True, "30"):
+        with pytest.raises(ValueError, match="student_softcap must be None or a finite number > 0"):
+            linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], student_softcap=bad)
+    with pytest.raises(ValueError, match="teacher_softcap must be None"):
+        linear_distillation_loss(ins["hs"], ins["ws"], ins["ht"], ins["wt"], teacher_softcap=float("nan"))
 
 
 @pytest.fixture
@@ -337,10 +386,11 @@ def test_compiled_kept_dz_under_autocast_within_eager_error(keep_dz_on_cpu, monk
         assert_within_torch_error(a, e, x, what=f"compiled autocast grad {name}")
 
 
-def test_compiled_chunk_math_has_one_graph_for_every_chunk_size():
+@pytest.mark.parametrize("caps", [(None, None), (2.0, 3.0)])
+def test_compiled_chunk_math_has_one_graph_for_every_chunk_size(caps):
     """options.compiled_per_row marks the rows dynamic: chunks of 5, 6 and 7 rows (a batch's last chunk
     follows N) reuse one graph, where static shapes compile one each and fail at Dynamo's limit under
-    fullgraph; the values are eager's."""
+    fullgraph; the values are eager's (softcapped heads too)."""
     from torch._dynamo.utils import counters
 
     from inductor_xent import distill, options
@@ -353,9 +403,10 @@ def test_compiled_chunk_math_has_one_graph_for_every_chunk_size():
         zs, zt = torch.randn(rows, V, generator=g), torch.randn(rows, V, generator=g)
         w, valid = torch.rand(rows, generator=g), torch.rand(rows, generator=g) > 0.3
         dz = zs.clone()
-        out = fn(dz, zt, w, valid, "jsd", 0.3, 0.5, 0.5)
+        args = ("jsd", 0.3, 0.5, 0.5, None, None, None, False, caps)  # positional, as the chunks call it
+        out = fn(dz, zt, w, valid, *args)
         ref_dz = zs.clone()
-        ref = distill._chunk_math_into(ref_dz, zt, w, valid, "jsd", 0.3, 0.5, 0.5)
+        ref = distill._chunk_math_into(ref_dz, zt, w, valid, *args)
         torch.testing.assert_close(out[0], ref[0])
         torch.testing.assert_close(dz, ref_dz)
     assert counters["stats"]["unique_graphs"] == 1
@@ -399,7 +450,7 @@ def test_explain_says_when_dz_is_kept(keep, keep_dz_on_cpu, monkeypatch):
 def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
     """On the GPU in bf16 (the chunk math compiled by Inductor; budget 1x keeps dz, 1 byte accumulates
     in fp32, 0 recomputes over vocabulary chunks): Hinton KD mixed with the hard-label CE, student
-    gradients, several chunks."""
+    gradients, several chunks; jsd with both heads softcapped (the compiled math's caps)."""
     from inductor_xent import distill
 
     monkeypatch.setenv("INDUCTOR_XENT_STORE_BUDGET", budget)
@@ -423,14 +474,16 @@ def test_cuda_bf16_within_torch_error(kind, budget, monkeypatch):
                bs=torch.randn(v, generator=g), ht=torch.randn(n, dt, generator=g),
                wt=torch.randn(v, dt, generator=g) * 0.2, y=y)
     cuda = {k: x.cuda() for k, x in ins.items()}
-    kw = dict(kind=kind, beta=0.3, temperature=2.0, soft_weight=0.7 * 4, hard_weight=0.3)
+    caps = (5.0, 8.0) if kind == "jsd" else (None, None)
+    kw = dict(kind=kind, beta=0.3, temperature=2.0, soft_weight=0.7 * 4, hard_weight=0.3, student_softcap=caps[0],
+              teacher_softcap=caps[1])
 
     def ours(hs, ws, bs, ht, wt, y):
         return linear_distillation_loss(hs, ws, ht, wt, y, student_bias=bs, reduction="batchmean", **kw)
 
     def theirs(hs, ws, bs, ht, wt, y):
-        kd = _reference(hs, ws, ht, wt, y, kind, 0.3, 2.0, "batchmean", bs=bs)
-        z = F.linear(hs, ws, bs).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
+        kd = _reference(hs, ws, ht, wt, y, kind, 0.3, 2.0, "batchmean", bs=bs, caps=caps)
+        z = _capped(F.linear(hs, ws, bs), caps[0]).to(torch.float64 if hs.dtype == torch.float64 else torch.float32)
         return kw["soft_weight"] * kd + 0.3 * F.cross_entropy(z, y)
 
     bf16 = {k: x.bfloat16() if x.is_floating_point() else x for k, x in cuda.items()}
@@ -559,11 +612,34 @@ def _verl_masked_mean(hs, ws, ht, wt, y, **_):
     return ((rows * mask).sum(-1) / mask.sum(-1)).mean()
 
 
+def _gemma2_hinton_with_labels(hs, ws, ht, wt, y, **_):
+    """Gemma 2 students and teachers: each model's ``final_logit_softcapping`` (div, tanh, mul, as HF's
+    Gemma2ForCausalLM spells it; small caps so that they matter here), then Hinton's α·CE + T²·KD over
+    the capped logits."""
+    s = torch.tanh(F.linear(hs, ws) / 1.5) * 1.5
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+        t = t / 2.5
+        t = torch.tanh(t)
+        t = t * 2.5
+    kd = F.kl_div(F.log_softmax(s / 2.0, dim=-1), F.softmax(t / 2.0, dim=-1), reduction="batchmean")
+    return 0.3 * F.cross_entropy(s.view(-1, V), y.view(-1)) + 0.7 * kd * 4.0
+
+
+def _recurrentgemma_reverse_rows(hs, ws, ht, wt, **_):
+    """RecurrentGemma's ``F.tanh(logits / cap) * cap`` on the student only, reverse KL per row at T = 0.7."""
+    ls = (F.tanh(F.linear(hs, ws) / 2.0) * 2.0 / 0.7).log_softmax(-1)
+    lt = (F.linear(ht, wt).detach() / 0.7).log_softmax(-1)
+    return (ls.exp() * (ls - lt)).sum(-1).mean()
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
          "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
          "labels_first_sum": _labels_first_sum, "trl_gjsd": _trl_gjsd,
          "trl_gjsd_beta0": functools.partial(_trl_gjsd, beta=0.0), "trl_gjsd_beta1": functools.partial(_trl_gjsd, beta=1.0),
-         "trl_gjsd_masked_rows": _trl_gjsd_masked_rows, "verl_masked_mean": _verl_masked_mean}
+         "trl_gjsd_masked_rows": _trl_gjsd_masked_rows, "verl_masked_mean": _verl_masked_mean,
+         "gemma2_hinton_with_labels": _gemma2_hinton_with_labels,
+         "recurrentgemma_reverse_rows": _recurrentgemma_reverse_rows}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -578,6 +654,18 @@ def test_spelling_fuses_with_eager_values_and_gradients(name):
     assert fused_ops(rec.after[0]) == 0  # the distillation op, not the cross-entropy ones
     assert ops.DISTILL_FORWARD in rec.after[0]
     assert not logits_sized(rec.graphs, rows=B * T), "no [N, V] tensor is left in the graph"
+
+
+def test_softcaps_fold_onto_the_raw_logits():
+    """The chain's softcap after the temperature (``softcap·tanh(z·scale/softcap)``) becomes the op's
+    cap before it (``scale·cap·tanh(z/cap)``): Gemma 2's 1.5 and 2.5, named by explain; one
+    cross-entropy joins the op."""
+    report = inductor_xent.explain(_gemma2_hinton_with_labels, **_inputs())
+    assert report.fused_count == 1, str(report)
+    reason = report.sites[0].reason
+    assert "softcaps 1.5 and 2.5 before them" in reason and "hard-label cross-entropy mixed in" in reason, reason
+    # KL(student ‖ teacher): the op's fitted head q is the teacher's, uncapped
+    assert "softcaps none and 2 before" in inductor_xent.explain(_recurrentgemma_reverse_rows, **_inputs()).sites[0].reason
 
 
 def test_mixture_jsd_names_its_beta_and_needs_matching_weights():
@@ -641,9 +729,15 @@ def test_compiles_through_inductor():
 def test_declines_say_why():
     ins = _inputs()
 
-    def softcapped(hs, ws, ht, wt, **_):
-        s = 30.0 * torch.tanh(F.linear(hs, ws) / 30.0)
+    def shifted(hs, ws, ht, wt, **_):
+        s = 30.0 * torch.tanh((F.linear(hs, ws) + 1.0) / 30.0)
         return F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+
+    def uncapped_labels(hs, ws, ht, wt, y, **_):  # the CE over the raw logits, the KD over capped ones
+        z = F.linear(hs, ws)
+        kd = F.kl_div(F.log_softmax(torch.tanh(z / 2.0) * 2.0, -1), F.softmax(F.linear(ht, wt).detach(), -1),
+                      reduction="batchmean")
+        return kd + F.cross_entropy(z.view(-1, V), y.view(-1))
 
     def other_user(hs, ws, ht, wt, **_):
         s = F.linear(hs, ws)
@@ -660,8 +754,9 @@ def test_declines_say_why():
         kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
         return kd + F.cross_entropy((s / 2.0).view(-1, V), y.view(-1))
 
-    for fn, words in ((softcapped, "softcapped"), (other_user, "other users"),
-                      (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw")):
+    for fn, words in ((shifted, "shifted by a number"), (other_user, "other users"),
+                      (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw"),
+                      (uncapped_labels, "capped otherwise")):
         report = inductor_xent.explain(fn, **ins)
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
 
@@ -690,17 +785,17 @@ def _op_inputs(seed: int, trained_teacher: bool):
     return hs, ws, bs, ht, wt, ins["y"].reshape(-1), [True, True, True, trained_teacher, trained_teacher, False]
 
 
-@pytest.mark.parametrize("reduction, hard, trained_teacher", [("sum", 0.0, False), ("mean", 0.3, True),
-                                                              ("none", 0.0, False), ("none", 0.3, True)])
-def test_opcheck_distill_ops(reduction, hard, trained_teacher):
+@pytest.mark.parametrize("reduction, hard, trained_teacher, caps", [
+    ("sum", 0.0, False, ()), ("mean", 0.3, True, (1.5, None)), ("none", 0.0, False, ()), ("none", 0.3, True, (None, 2.5))])
+def test_opcheck_distill_ops(reduction, hard, trained_teacher, caps):
     """The two ops' schemas, fake shapes, autograd registration and aliasing (STYLE rule 5): the
     forward for a reduced loss (its gradients in the forward) and per row (the backward op's case),
-    the hard-label CE mixed in or not, a student bias, the teacher trained or not."""
+    the hard-label CE mixed in or not, a student bias, the teacher trained or not, softcaps or not."""
     from inductor_xent import distill
 
     hs, ws, bs, ht, wt, y, needs = _op_inputs(11, trained_teacher)
     common = (y, -100, "jsd", 0.4, 1 / 1.5, 1 / 2.0)
-    weights = (1.0 - hard, hard, True, "")
+    weights = (1.0 - hard, hard, True, "", *caps)
     torch.library.opcheck(distill.linear_distill_fwd, (hs, ws, bs, ht, wt, None, *common, reduction, needs, *weights))
     if reduction == "none":
         grad_rows = torch.randn(hs.shape[0])
@@ -838,14 +933,15 @@ def test_recompute_follows_the_budget_and_the_strategy(recompute_chunks, monkeyp
     assert "cols" in recompute_chunks
 
 
-@pytest.mark.parametrize("reduction, hard, trained_teacher", [("batchmean", 0.0, False), ("none", 0.3, True)])
-def test_opcheck_recompute_ops(reduction, hard, trained_teacher):
+@pytest.mark.parametrize("reduction, hard, trained_teacher, caps", [("batchmean", 0.0, False, ()),
+                                                                    ("none", 0.3, True, (1.5, 2.5))])
+def test_opcheck_recompute_ops(reduction, hard, trained_teacher, caps):
     """The recompute ops' schemas, fakes, autograd and aliasing (STYLE rule 5)."""
     from inductor_xent import distill
 
     hs, ws, bs, ht, wt, y, needs = _op_inputs(12, trained_teacher)
     common = (y, -100, "forward_kl", 0.5, 1 / 1.5, 1 / 1.5)
-    weights = (1.0 - hard, hard, True)
+    weights = (1.0 - hard, hard, True, *caps)
     torch.library.opcheck(distill.linear_distill_recompute_fwd,
                           (hs, ws, bs, ht, wt, None, *common, reduction, needs, *weights))
     stats = distill.linear_distill_recompute_fwd(*(t.detach() for t in (hs, ws, bs, ht, wt)), None, *common,
@@ -854,7 +950,7 @@ def test_opcheck_recompute_ops(reduction, hard, trained_teacher):
     plain = [t.detach() for t in (hs, ws, bs, ht, wt)]
     torch.library.opcheck(distill.linear_distill_recompute_bwd,
                           (torch.randn(n), torch.randn(n) if hard else None, stats, *plain, None, y, "forward_kl",
-                           0.5, 1 / 1.5, 1 / 1.5, needs))
+                           0.5, 1 / 1.5, 1 / 1.5, needs, *caps))
 
 
 def test_recompute_gives_the_same_bits_every_time(recompute_chunks):

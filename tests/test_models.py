@@ -129,6 +129,44 @@ def test_zoo_inductor_end_to_end(name):
     check_model(name, "inductor_xent")
 
 
+def _kd_step(student, teacher, temperature=2.0):
+    """Hinton KD between two HF models, as a distillation script writes it: both models' ``logits``
+    (Gemma 2's softcapped inside the model), the teacher's under no_grad, α·CE + (1 − α)·T²·KD."""
+    def step(ids, labels):
+        s = student(input_ids=ids).logits
+        with torch.no_grad():
+            t = teacher(input_ids=ids).logits
+        kd = torch.nn.functional.kl_div(torch.nn.functional.log_softmax(s / temperature, -1),
+                                        torch.nn.functional.softmax(t / temperature, -1), reduction="batchmean")
+        ce = torch.nn.functional.cross_entropy(s.flatten(0, 1), labels.flatten())
+        return 0.4 * ce + 0.6 * kd * temperature**2
+    return step
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_distillation_between_two_models_fuses(name):
+    """Two models of the zoo, a student and a frozen teacher, compiled as one KD step: one fused
+    distillation site (the CE mixed in), the loss and the student's gradients within torch's error
+    of float64. Gemma 2's caps made small (0.25; the tiny models' logits are ~0.1) so that a cap
+    dropped or misplaced would fail."""
+    student, ids, labels = build(name)
+    teacher = build(name, seed=3)[0].requires_grad_(False)
+    if name == "gemma2":
+        for m in (student, teacher):
+            m.config.final_logit_softcapping = 0.25
+    ref_s, ref_t = copy.deepcopy(student).double(), copy.deepcopy(teacher).double()
+    l64, g64 = _loss_and_grads(ref_s, _kd_step(ref_s, ref_t), ids, labels)
+    le, ge = _loss_and_grads(student, _kd_step(student, teacher), ids, labels)
+    ours = counting(xent_backend, **{"xent.inner": "aot_eager"})
+    lc, gc = _loss_and_grads(student, torch.compile(_kd_step(student, teacher), backend=ours), ids, labels)
+    assert counters["inductor_xent"]["sites_fused"] == 1, dict(counters["inductor_xent"])
+    assert counters["inductor_xent"]["sites_declined"] == 0, dict(counters["inductor_xent"])
+    assert set(gc) == set(ge)
+    assert_within_torch_error(lc, le, l64, what=f"{name} KD loss")
+    for k in ge:
+        assert_within_torch_error(gc[k], ge[k], g64[k], what=f"{name} KD grad {k}")
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_zoo_inference(name):
     model, ids, labels = build(name)

@@ -32,10 +32,12 @@ cross-entropy over the student's raw logits, the mean over the labelled rows) jo
 (``hard_weight``): one pass over the student's logits computes both.
 
 Whichever head is the student, the op computes ``KL(p ‖ q)`` of the two heads' logits with each
-head's temperature folded into its scale (``LogitsChain.logit_scale``); a head computed without
-gradient (``torch.no_grad()``, ``.detach()``: the teacher) gets its inputs detached, a head with
-gradient gets them. Declines: a softcap, a per-row or per-vocabulary tensor scale, a number added
-to the logits, heads over two vocabularies, logits with other users.
+head's temperature folded into its scale (``LogitsChain.logit_scale``) and its softcap (Gemma 2's
+``final_logit_softcapping``, the model's logits over ``T``) into the op's ``softcap_s`` /
+``softcap_t`` (on the raw logits, ``_cap``; a cross-entropy mixed in must read the student's logits
+capped the same); a head computed without gradient (``torch.no_grad()``, ``.detach()``: the teacher)
+gets its inputs detached, a head with gradient gets them. Declines: a per-row or per-vocabulary
+tensor scale, a number added to the logits, heads over two vocabularies, logits with other users.
 """
 
 from __future__ import annotations
@@ -323,9 +325,10 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
                 "divergence")
     if f["reduce"] == "none":
         return "a hard-label cross-entropy added to a per-row divergence"
-    if c.logit_scale != 1.0 or c.softcap is not None or c.bias_shift or c.shift or c.weight_scale is not None \
-            or c.row_scaled or c.bias is not q.bias:
-        return "the hard-label cross-entropy reads other logits than the student's raw ones (scaled, capped, biased)"
+    if c.logit_scale != 1.0 or not _same_cap(c.softcap, _cap(q)) or c.bias_shift or c.shift \
+            or c.weight_scale is not None or c.row_scaled or c.bias is not q.bias:
+        return ("the hard-label cross-entropy reads other logits than the student's raw (or softcapped) ones: "
+                "scaled, capped otherwise, biased")
     reorders = any(isinstance(op, (_steps.Slice, _steps.Permute)) for ch in (q, c) for _, op in ch.shape_ops)
     if reorders or not same(tval(c.nodes[-1]).numel(), tval(q.nodes[-1]).numel()):
         return "the hard-label cross-entropy reads other rows of the student's logits than the divergence"
@@ -337,14 +340,25 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
                 nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
 
 
+def _cap(c: _logits.LogitsChain) -> Optional[float]:
+    """A head's softcap on its raw logits, before its temperature: the chain's logits are
+    ``softcap·tanh(z·scale/softcap)`` (``options.fold_temperature``), ``scale·cap·tanh(z/cap)`` with
+    ``cap = softcap/scale``."""
+    return None if c.softcap is None else c.softcap / c.logit_scale
+
+
+def _same_cap(a: Optional[float], b: Optional[float]) -> bool:
+    return (a is None) == (b is None) and (a is None or math.isclose(a, b, rel_tol=1e-9))
+
+
 def _check(f: dict) -> Optional[str]:
     """Why the two heads cannot become the op, or None (``f["mix"]`` set where a hard-label
     cross-entropy of the student joins it)."""
     for role, c in (("fitted", f["q"]), ("target", f["p"])):
         if isinstance(c, Decline):
             return c.reason
-        if c.softcap is not None or c.bias_shift or c.shift:
-            return f"the {role} head's logits are softcapped or shifted (not supported in distillation)"
+        if c.bias_shift or c.shift:
+            return f"the {role} head's logits are shifted by a number (not supported in distillation)"
         if c.weight_scale is not None or c.row_scaled:
             return f"the {role} head's logits are scaled by a tensor (not supported in distillation)"
         if c.logit_scale <= 0:
@@ -419,17 +433,20 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     op_reduction = "none" if reduce == "none" else "sum"
     # recompute (a store budget of 0) keeps per-row statistics for a backward over vocabulary chunks
     op, tail = (ops.DISTILL_RECOMPUTE, ()) if distill.recomputes(needs, budget) else (ops.DISTILL_FORWARD, (budget,))
+    caps = (_cap(q), _cap(p))
+    capped = {} if caps == (None, None) else dict(softcap_s=caps[0], softcap_t=caps[1])
     if mix is not None:  # soft · Σ KL / divisor + hard · the mean cross-entropy, every row's KL counted
         target = mix["target"] if tval(mix["target"]).dim() == 1 else e.method("reshape", mix["target"], -1)
         out = e.call(op, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
-                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False, *tail)
+                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False, *tail,
+                     **capped)
         node = mix["add"]
     else:  # a row mask (_masked_sum) as the target: its False rows ignored, so the op can skip them
         mask = f.get("mask")
         target = None if mask is None else e.call(torch.where, e.method("reshape", mask, -1), 0, -100)
         out = e.call(op, hs, ws, bs, ht, wt, bt, target, -100,
                      kind, beta, float(q.logit_scale), float(p.logit_scale), op_reduction, needs, 1.0, 0.0, True,
-                     *tail)
+                     *tail, **capped)
     value = e.getitem(out, 0)
     # the sizes as numbers where they are static: a size read from the [N, V] log-probs would keep
     # them (and the student's logits) in the graph until a later pass removes them
@@ -470,6 +487,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                 "GEMM")
     return _report.SiteReport(PATTERN, True, f"fused: {what} of two lm_heads in one op, reduction={reduce}, "
                               f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
+                              + ("" if caps == (None, None) else
+                                 f", softcaps {_words(caps[0])} and {_words(caps[1])} before them")
                               + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
                                  f"{mix['soft']:g} · Σ KL)" if mix else "")
                               + (", the target head without gradient" if not any(needs[3:]) else "")
@@ -482,6 +501,10 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
 # explain's note on a _masked_sum site
 MASKED = (", under a row mask (its dropped rows the op's ignored ones: not computed, on CUDA for biasless "
           "16-bit heads)")
+
+
+def _words(cap: Optional[float]) -> str:
+    return "none" if cap is None else f"{cap:g}"
 
 
 def _static(sizes) -> bool:
