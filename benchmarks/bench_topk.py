@@ -14,8 +14,9 @@ What is timed, at the llama3-8b head by default (bf16):
   ``linear_log_probs(..., top_k=k)`` against eager's ``masked_fill`` spelling;
 * ``nucleus_ours`` / ``nucleus_eager`` / ``nucleus_compile``: the kept-set log-probs over each row's
   top-p set (p = 0.9, HF's ``TopPLogitsWarper`` rule), ``linear_log_probs(..., top_p=0.9)`` against
-  the warper written out over the logits, eagerly and under torch.compile; ``nucleus_bisect``: ours
-  with the rows past the candidates bisected instead of sorted (``topk.BISECT_DEVICES``). Only when named in
+  the warper written out over the logits, eagerly and under torch.compile; ``nucleus_bisect`` /
+  ``nucleus_sort``: ours with the rows past the candidates bisected (CUDA's default) / sorted, on any
+  device (``topk.BISECT_DEVICES``). Only when named in
   ``--methods`` (not in the default list): the sort over the vocabulary is slow to compile and time.
   ``--logit-std`` sets the logits' spread: at the default 1 (gauss data) a kept set holds most of the
   vocabulary; at 4 tens of columns, as an LLM's (the median and largest kept-set sizes are printed).
@@ -52,7 +53,8 @@ import inductor_xent  # noqa: E402
 T = 0.7
 TOP_P = 0.9
 TARGET_FWD_VS_CUBLAS = 1.15
-OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile", "nucleus_bisect")  # timed only when named in --methods
+# timed only when named in --methods
+OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile", "nucleus_bisect", "nucleus_sort")
 ERR_ROWS = 512
 
 
@@ -92,20 +94,23 @@ def methods(k):
         "nucleus_compile": lambda h, w, ids: nucleus_compiled(h, w, ids),
         "nucleus_ours": lambda h, w, ids: inductor_xent.linear_log_probs(h, w, ids, temperature=T,
                                                                        top_p=TOP_P).log_probs,
-        "nucleus_bisect": nucleus_bisect,
+        "nucleus_bisect": nucleus_with(("cuda", "cpu")),
+        "nucleus_sort": nucleus_with(()),
     }
 
 
-def nucleus_bisect(h, w, ids):
-    """``nucleus_ours`` with the rows past the candidates bisected instead of sorted (topk.BISECT_DEVICES,
-    off by default: an experiment to time)."""
+def nucleus_with(devices: tuple):
+    """``nucleus_ours`` with ``topk.BISECT_DEVICES`` set to ``devices`` for its forward: the rows past the
+    candidates bisected where the tensors' device is among them, else sorted (the A/B of the two)."""
     from inductor_xent import topk
 
-    saved, topk.BISECT_DEVICES = topk.BISECT_DEVICES, ("cuda", "cpu")
-    try:
-        return inductor_xent.linear_log_probs(h, w, ids, temperature=T, top_p=TOP_P).log_probs
-    finally:
-        topk.BISECT_DEVICES = saved
+    def run(h, w, ids):
+        saved, topk.BISECT_DEVICES = topk.BISECT_DEVICES, devices
+        try:
+            return inductor_xent.linear_log_probs(h, w, ids, temperature=T, top_p=TOP_P).log_probs
+        finally:
+            topk.BISECT_DEVICES = saved
+    return run
 
 
 def timed(device, quick):
