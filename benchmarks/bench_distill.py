@@ -36,6 +36,10 @@ over the other rows; ours gets the target (``reduction="mean"``) and computes th
                     reduction="none").sum(-1)
     loss = (rows * mask).sum() / mask.sum() * T**2
 
+``--softcap C`` (Gemma 2's students and teachers): both heads' logits capped, ``torch.tanh(z / C) * C``
+as Gemma 2's model spells it, before the temperature; ours gets ``student_softcap=C, teacher_softcap=C``;
+Liger's ops take no softcap (their rows are skipped).
+
 ``--device cpu`` is a dry run on tiny shapes (it checks the harness, not the speed).
 """
 
@@ -64,12 +68,17 @@ TEMP = 2.0
 METHODS = ("cublas", "compile", "ours", "ours_acc", "ours_recompute", "ours_compiled", "liger", "liger_chunked",
            "ours_dense")
 TARGET = []  # with --prompt: the [N] target whose -100 rows are the prompts' (a method on n rows reads [:n])
+CAP = []  # with --softcap: both heads' softcap
+
+
+def capped(z):
+    return torch.tanh(z / CAP[0]) * CAP[0] if CAP else z
 
 
 def spelling(hs, ws, ht, wt):
-    s = F.linear(hs, ws)
+    s = capped(F.linear(hs, ws))
     with torch.no_grad():
-        t = F.linear(ht, wt)
+        t = capped(F.linear(ht, wt))
     if TARGET:
         rows = F.kl_div(F.log_softmax(s.float() / TEMP, -1), F.log_softmax(t.float() / TEMP, -1), log_target=True,
                         reduction="none").sum(-1)
@@ -79,11 +88,12 @@ def spelling(hs, ws, ht, wt):
 
 
 def ours(hs, ws, ht, wt):
+    caps = dict(student_softcap=CAP[0], teacher_softcap=CAP[0]) if CAP else {}
     if TARGET:
         return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), TARGET[0][:hs.shape[0]],
-                                                      temperature=TEMP, reduction="mean") * TEMP**2
+                                                      temperature=TEMP, reduction="mean", **caps) * TEMP**2
     return inductor_xent.linear_distillation_loss(hs, ws, ht.detach(), wt.detach(), temperature=TEMP,
-                                                  reduction="batchmean") * TEMP**2
+                                                  reduction="batchmean", **caps) * TEMP**2
 
 
 def ours_dense(hs, ws, ht, wt):
@@ -221,7 +231,11 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=0, help="then interleave the methods' fwd+bwd over N rounds")
     ap.add_argument("--out", default=None)
     ap.add_argument("--prompt", type=float, default=None, help="this fraction of each 1024-row sequence ignored")
+    ap.add_argument("--softcap", type=float, default=None, help="both heads' logits capped (Gemma 2's: 30)")
     args = ap.parse_args(argv)
+    CAP.clear()
+    if args.softcap is not None:
+        CAP.append(args.softcap)
     device = args.device
     n, ds, dt, v = map(int, (args.shape if device == "cuda" else "96x32x48x1031").split("x"))
     g = torch.Generator(device).manual_seed(0)
@@ -252,7 +266,7 @@ def main(argv=None):
             fn = base
             knobs = (knob, mib)
         if name.startswith("liger"):
-            fn, note = liger_fn(name)
+            fn, note = liger_fn(name) if not CAP else (None, "takes no softcap")
             if fn is None:
                 results.append(dict(method=name, error=note))
                 print(f"| {name} | - | - | {note} |")
@@ -274,6 +288,7 @@ def main(argv=None):
     base = next((r for r in results if r["method"] == "compile" and "ms" in r), None)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     prompt = "" if args.prompt is None else f", {args.prompt:.0%} of each sequence a prompt (ignored)"
+    prompt += "" if args.softcap is None else f", both heads softcapped at {args.softcap:g}"
     print(f"distill fwd+bwd {n}x{ds} (teacher {dt}) x {v}, {dtype}, T={TEMP}, {gpu}{prompt}")
     print("| method | ms | / compile | extra MiB | loss err | dH err | dW err |")
     print("|---|---|---|---|---|---|---|")
@@ -299,8 +314,8 @@ def main(argv=None):
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         meta = dict(shape=[n, ds, dt, v], dtype=str(dtype), temperature=TEMP, torch=torch.__version__,
-                    prompt=args.prompt, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                    date=time.strftime("%F"))
+                    prompt=args.prompt, softcap=args.softcap,
+                    device=torch.cuda.get_device_name() if device == "cuda" else "cpu", date=time.strftime("%F"))
         Path(args.out, "bench_distill.json").write_text(json.dumps(dict(meta=meta, results=results, rounds=rounds),
                                                                    indent=1))
 

@@ -27,7 +27,8 @@
 #   e2e_sft the HF Llama step with half of each sequence a prompt (bench e2e --prompt 0.5)
 #   distill Hinton KD between a student and a teacher lm_head, every method (bench_distill.py; DISTILL_METHODS,
 #           DISTILL_ROUNDS: then the methods' fwd+bwd interleaved over that many rounds; DISTILL_PROMPT=F: F of
-#           each sequence ignored, GKD-style, e.g. DISTILL_METHODS=compile,ours,ours_dense)
+#           each sequence ignored, GKD-style, e.g. DISTILL_METHODS=compile,ours,ours_dense; DISTILL_SOFTCAP=C: both
+#           heads capped at C, Gemma 2's 30)
 #   topk    the top-k head (k = 64, log-probs at T = 0.7) and the kept-set log-probs at llama3-8b against cuBLAS's
 #           logits GEMM, eager and torch.compile (bench_topk.py; TOPK_METHODS overrides; TOPK_ROUNDS: then the forwards
 #           of cuBLAS and ours interleaved over that many rounds; TOPK_LOGIT_STD: the logits' spread, e.g. 4 for an
@@ -145,7 +146,7 @@ for step in ${STEPS//,/ }; do
         e2e_modes) timeout ${E2E_MODES_S:-420} python3 -m inductor_xent bench e2e --warmup 2 --steps 6 --modes autocast,whole,whole_autocast \
                    --out "$OUT/modes" 2>&1 | grep -v "it/s\]" | tee "$OUT/e2e_modes.log" | tail -16 ;;
         distill) timeout ${DISTILL_S:-300} python3 benchmarks/bench_distill.py --quick --rounds ${DISTILL_ROUNDS:-0} \
-                   ${DISTILL_METHODS:+--methods $DISTILL_METHODS} ${DISTILL_PROMPT:+--prompt $DISTILL_PROMPT} --out "$OUT" 2>&1 \
+                   ${DISTILL_METHODS:+--methods $DISTILL_METHODS} ${DISTILL_PROMPT:+--prompt $DISTILL_PROMPT} ${DISTILL_SOFTCAP:+--softcap $DISTILL_SOFTCAP} --out "$OUT" 2>&1 \
                    | tee "$OUT/distill.log" | grep -E "^\||^distill|rror" ;;
         topk)  timeout ${TOPK_S:-150} python3 benchmarks/bench_topk.py --quick --rounds ${TOPK_ROUNDS:-0} ${TOPK_METHODS:+--methods $TOPK_METHODS} \
                    ${TOPK_LOGIT_STD:+--logit-std $TOPK_LOGIT_STD} --out "$OUT" 2>&1 | tee "$OUT/topk.log" | grep -E "^\||^target|^kept|rror" ;;

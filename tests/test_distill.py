@@ -191,6 +191,23 @@ def test_softcapped_heads_match_float64(kind, path, request):
     assert not torch.allclose(uncapped, out, rtol=1e-3), "caps this small must change the loss"
 
 
+def test_bench_distill_cpu_dry_run_with_softcaps(tmp_path):
+    """bench_distill.py's dry run with both heads capped: our methods agree with the capped spelling
+    (fp32 on CPU, to 1e-5), Liger's ops are skipped with a reason, the cap is in the JSON."""
+    import json
+
+    from benchmarks import bench_distill
+
+    bench_distill.main(["--device", "cpu", "--softcap", "2.0", "--methods", "ours,ours_recompute,liger",
+                        "--out", str(tmp_path)])
+    out = json.loads((tmp_path / "bench_distill.json").read_text())
+    assert out["meta"]["softcap"] == 2.0
+    rows = {r["method"]: r for r in out["results"]}
+    assert rows["liger"]["error"] == "takes no softcap"
+    for name in ("ours", "ours_recompute"):
+        assert max(rows[name]["errors"].values()) < 1e-5, rows[name]
+
+
 def test_softcaps_are_checked():
     ins = _inputs()
     for bad in (0.0, -1.0, float("inf"), True, "30"):
