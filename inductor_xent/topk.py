@@ -444,7 +444,12 @@ def _candidate_edges(z: Tensor, scale, lse_all: Tensor, maxima: Tensor, maybe: T
 def _edge_columns(u: Tensor, edge_value: Tensor, ties: Tensor) -> Tensor:
     """The last kept column in the stable descending order of each row of ``u``: among the columns
     equal to the edge's value, the one whose rank in column order is the number of them kept."""
-    rank = (u == edge_value[:, None]).cumsum(-1, dtype=torch.int32)
+    return _tied_column(u == edge_value[:, None], ties)
+
+
+def _tied_column(tied: Tensor, ties: Tensor) -> Tensor:
+    """Each row's column where the ``ties``-th True of ``tied`` is (its rank in column order)."""
+    rank = tied.cumsum(-1, dtype=torch.int32)
     return (rank < ties[:, None]).sum(-1)
 
 
@@ -545,11 +550,10 @@ def _bisected_edges(z: Tensor, logit_scale: float, p: Tensor, lse: Tensor) -> tu
         lo, hi = torch.where(ok, mid, lo), torch.where(ok, hi, mid)
     tau = _unkey(lo)
     above = mass(z, lse, _unkey(lo + 1), logit_scale)  # the columns above tau (the next value up): < p
-    u = _scaled(z, logit_scale, None)[0]
+    tied = _scaled(z, logit_scale, None)[0] == tau[:, None]  # (the fp32 copy freed at once)
     p_tau = torch.exp(tau - lse)
-    n_tied = (u == tau[:, None]).sum(-1)
-    ties = torch.minimum(torch.ceil((p - above) / p_tau).clamp_min(1).long(), n_tied)
-    return lse + torch.log(above + ties * p_tau), _edge_columns(u, tau, ties)
+    ties = torch.minimum(torch.ceil((p - above) / p_tau).clamp_min(1).long(), tied.sum(-1))
+    return lse + torch.log(above + ties * p_tau), _tied_column(tied, ties)
 
 
 def _sorted_rows(z: Tensor, rows: Optional[Tensor], scale, k_rows, p_rows, top_p, lse_all: Optional[Tensor] = None,
