@@ -61,8 +61,8 @@ store_budget="", softcap_s=None, softcap_t=None) -> (loss, gh_s, gw_s, gb_s, gh_
 loss ((N,) or 0-dim float32) and, for a reduced loss, the gradients (empty where not needed; not differentiable);
 ``inductor_xent::linear_distill_bwd(grad_rows, ...)`` the per-row case's backward. The loss is
 ``soft_weight`` times the divergence plus ``hard_weight`` times the student's hard-label
-cross-entropy of ``target`` (its raw logits, the mean over the labelled rows; per row for
-``none``), both from the same chunk of student logits; ``mask_divergence`` False counts every
+cross-entropy of ``target`` (its raw logits, capped by ``softcap_s``; the mean over the labelled rows;
+per row for ``none``), both from the same chunk of student logits; ``mask_divergence`` False counts every
 row's divergence, the unlabelled ones too (the pass's ``α·CE + β·KD``, whose KD has no mask);
 ``store_budget`` is ``keeps_dz``'s (``""``: the configured one); ``softcap_s`` / ``softcap_t`` each head's
 softcap (None: none), the cross-entropy reading the student's capped logits.
@@ -142,13 +142,14 @@ def keeps_dz(n: int, v: int, dtype: torch.dtype, device: torch.device, with_grad
     return size <= (amount * size if kind == "logits" else amount)
 
 
-def _capped(z: Tensor, cap: Optional[float]) -> tuple[Tensor, Optional[Tensor]]:
-    """(``cap·tanh(z/cap)``, its derivative ``1 − tanh²(z/cap)``) for a head's softcap (its raw logits
-    capped before the temperature, as Gemma 2's model caps them); ``(z, None)`` without one."""
+def _capped(z: Tensor, cap: Optional[float], slope: bool = True) -> tuple[Tensor, Optional[Tensor]]:
+    """(``cap·tanh(z/cap)``, with ``slope`` its derivative ``1 − tanh²(z/cap)``, else None) for a head's
+    softcap (its raw logits capped before the temperature, as Gemma 2's model caps them); ``(z, None)``
+    without one."""
     if cap is None:
         return z, None
     t = torch.tanh(z / cap)
-    return t * cap, 1 - t * t
+    return t * cap, (1 - t * t) if slope else None
 
 
 def _rows(kind: str, beta: float, us: Tensor, ut: Tensor, grad_s: bool, grad_t: bool):
@@ -210,13 +211,13 @@ def _chunk_math(zs: Tensor, zt: Tensor, g: Optional[Tensor], valid: Optional[Ten
     """One chunk's rows (0 where not ``valid``) and the gradients with respect to the two heads'
     logits ``zs``, ``zt`` (in their dtype; None where not asked), for incoming row gradients ``g``.
     With ``target`` also the student's hard-label cross-entropy rows ``lse(zs) − zs[target]`` (its
-    raw logits, no temperature; 0 where not ``ce_valid``), returned third, and with ``g_ce`` (its
+    raw logits, capped but no temperature; 0 where not ``ce_valid``), returned third, and with ``g_ce`` (its
     rows' gradients) their gradient ``softmax(zs) − onehot`` joins the student's. ``unwritten``: the
     logits of rows not ``valid`` may be any bits (a count-bounded GEMM left them), so their gradients
     are set to exactly 0 (a product with a 0 weight would keep a NaN). ``caps``: each head's softcap
     (``_capped``, before its scale; the cross-entropy reads the student's capped logits)."""
     work = compute_dtype(zs.dtype)
-    (cs, ds), (ct, dt) = _capped(zs.to(work), caps[0]), _capped(zt.to(work), caps[1])
+    (cs, ds), (ct, dt) = _capped(zs.to(work), caps[0], grad_s), _capped(zt.to(work), caps[1], grad_t)
     rows, du_s, du_t = _rows(kind, beta, cs * scale_s, ct * scale_t, grad_s, grad_t)
     if valid is not None:
         rows = torch.where(valid, rows, 0.0)
@@ -482,7 +483,7 @@ def _kept_dz_chunks(hs, ws, bs, ht, wt, bt, target, ignore_index: int, kind: str
 # recomputes both heads' logits over column chunks of the vocabulary
 # ---------------------------------------------------------------------------------------------
 # per row: the log-sum-exps of both heads' scaled logits, the divergence, jsd's Σ q·(log q − log m)
-# and Σ p·(log p − log m), and the log-sum-exp of the student's raw logits (the cross-entropy's)
+# and Σ p·(log p − log m), and the log-sum-exp of the student's raw (capped) logits (the cross-entropy's)
 STATS = 6
 # a chunk's 16-bit tensors on a GPU: the forward's both heads' logits of a row chunk, the backward's
 # both heads' logits of a column chunk and the student's gradient logits (the fused math keeps no
@@ -524,7 +525,7 @@ def _stats_math(zs: Tensor, zt: Tensor, valid: Optional[Tensor], kind: str, beta
     ``target`` the cross-entropy rows, 0 where not ``ce_valid``, else None; the ``[rows, STATS]``
     statistics); ``caps``: ``_chunk_math``'s."""
     work = compute_dtype(zs.dtype)
-    zw, ztw = _capped(zs.to(work), caps[0])[0], _capped(zt.to(work), caps[1])[0]
+    zw, ztw = _capped(zs.to(work), caps[0], False)[0], _capped(zt.to(work), caps[1], False)[0]
     us, ut = zw * scale_s, ztw * scale_t
     lse_s, lse_t = us.logsumexp(-1), ut.logsumexp(-1)
     ls, lt = us - lse_s[:, None], ut - lse_t[:, None]
@@ -550,7 +551,7 @@ def _recompute_math(zs: Tensor, zt: Tensor, stats: Tensor, g: Tensor, g_ce: Opti
     computed (the others exactly 0, whatever their logits: a count-bounded GEMM did not write them);
     ``caps``: ``_chunk_math``'s."""
     work = compute_dtype(zs.dtype)
-    (zw, ds), (ztw, dt) = _capped(zs.to(work), caps[0]), _capped(zt.to(work), caps[1])
+    (zw, ds), (ztw, dt) = _capped(zs.to(work), caps[0], grad_s), _capped(zt.to(work), caps[1], grad_t)
     ls, lt = zw * scale_s - stats[:, 0:1], ztw * scale_t - stats[:, 1:2]
     gs, gt = _mixture_logs(beta, ls, lt) if kind == "jsd" else (None, None)
     du_s, du_t = _du(kind, beta, ls, lt, ls.exp(), lt.exp(), stats[:, 2], gs, gt, stats[:, 3], stats[:, 4], grad_s,
@@ -945,7 +946,8 @@ def linear_distillation_loss(
     ``[N, V]`` logits of either (on CUDA one ``[N, V]`` tensor of the student's gradient logits
     instead, within ``store_budget``: ``keeps_dz``), times ``soft_weight``; with ``hard_weight`` plus that times the
     student's hard-label cross-entropy ``F.cross_entropy(student_logits, target,
-    ignore_index=ignore_index)`` (its raw logits, no temperature; the mean over the labelled rows,
+    ignore_index=ignore_index)`` (its raw logits, capped by ``student_softcap``, no temperature; the mean
+    over the labelled rows,
     per row for ``reduction="none"``), computed in the same pass over the student's logits (Hinton's
     ``α·CE + (1 − α)·T²·KD``: ``hard_weight=α, soft_weight=(1 − α)·T**2``). Equal, up to rounding, to::
 

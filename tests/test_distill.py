@@ -673,6 +673,22 @@ def test_spelling_fuses_with_eager_values_and_gradients(name):
     assert not logits_sized(rec.graphs, rows=B * T), "no [N, V] tensor is left in the graph"
 
 
+@pytest.mark.parametrize("cap", [1.5, 49.0])
+def test_softcapped_cross_entropy_mix_fuses_at_any_cap(cap):
+    """Hinton's α·CE + T²·KD over Gemma-style capped student logits: one op with eager's values and
+    gradients, also at caps whose folded scale (1/cap)·cap is not exactly 1.0 in floating point (49)."""
+    def fn(hs, ws, ht, wt, y, **_):
+        s = torch.tanh(F.linear(hs, ws) / cap) * cap
+        kd = F.kl_div(F.log_softmax(s / 2.0, -1), F.softmax(F.linear(ht, wt).detach() / 2.0, -1),
+                      reduction="batchmean")
+        return 0.3 * F.cross_entropy(s.view(-1, V), y.view(-1)) + kd * 4.0
+
+    ins = _inputs()
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == 1 and "mixed in" in report.sites[0].reason, str(report)
+    assert_parity(fn, ins, Recorder(), what=f"cap {cap}")
+
+
 def test_softcaps_fold_onto_the_raw_logits():
     """The chain's softcap after the temperature (``softcap·tanh(z·scale/softcap)``) becomes the op's
     cap before it (``scale·cap·tanh(z/cap)``): Gemma 2's 1.5 and 2.5, named by explain; one
@@ -744,11 +760,24 @@ def test_compiles_through_inductor():
 
 
 def test_declines_say_why():
-    ins = _inputs()
+    # the student's tensors train (a cross-entropy without gradient declines only where the divergence has one)
+    ins = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in _inputs().items()}
 
     def shifted(hs, ws, ht, wt, **_):
         s = 30.0 * torch.tanh((F.linear(hs, ws) + 1.0) / 30.0)
         return F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+
+    def detached_labels(hs, ws, ht, wt, y, **_):  # the CE trains nothing: one op would train the student by it
+        s = F.linear(hs, ws)
+        kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+        return kd + 0.5 * F.cross_entropy(s.detach().view(-1, V), y.view(-1))
+
+    def logged_labels(hs, ws, ht, wt, y, **_):  # the CE under no_grad (a logged metric) added to the loss
+        s = F.linear(hs, ws)
+        kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+        with torch.no_grad():
+            ce = F.cross_entropy(s.view(-1, V), y.view(-1))
+        return kd + 0.5 * ce
 
     def uncapped_labels(hs, ws, ht, wt, y, **_):  # the CE over the raw logits, the KD over capped ones
         z = F.linear(hs, ws)
@@ -773,7 +802,8 @@ def test_declines_say_why():
 
     for fn, words in ((shifted, "shifted by a number"), (other_user, "other users"),
                       (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw"),
-                      (uncapped_labels, "capped otherwise")):
+                      (uncapped_labels, "capped otherwise"), (detached_labels, "differ in gradient"),
+                      (logged_labels, "differ in gradient")):
         report = inductor_xent.explain(fn, **ins)
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
 

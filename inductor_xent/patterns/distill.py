@@ -28,7 +28,8 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
 
 The student's hard-label cross-entropy added to the divergence (``α * F.cross_entropy(s.view(-1, V),
 y.view(-1)) + (1 - α) * kd * T**2``, either order, each side scaled by Python numbers; the
-cross-entropy over the student's raw logits, the mean over the labelled rows) joins the same op call
+cross-entropy over the student's raw logits, softcapped as the divergence's are, the mean over the
+labelled rows, both terms with gradients or neither) joins the same op call
 (``hard_weight``): one pass over the student's logits computes both.
 
 Whichever head is the student, the op computes ``KL(p ‖ q)`` of the two heads' logits with each
@@ -299,8 +300,9 @@ def _by_number(node: Node) -> Optional[tuple[Node, float]]:
 def _hard_label_mix(f: dict) -> Union[dict, str, None]:
     """The student's hard-label cross-entropy added to the divergence, ``a · F.cross_entropy(s, y) +
     b · kd`` (either order, each side scaled by Python numbers, ``kd`` the site's reduced value, e.g.
-    times ``T**2``), ``s`` the student's raw logits: {"add", "target", "ignore_index", "soft",
-    "hard", "nodes"} for one op computing both, a reason it cannot, or None (no such sum)."""
+    times ``T**2``), ``s`` the student's raw logits (softcapped as the divergence's are, if they are):
+    {"add", "target", "ignore_index", "soft", "hard", "nodes"} for one op computing both, a reason it
+    cannot, or None (no such sum)."""
     q, node, nodes, factor = f["q"], f["out"], [], 1.0
     while len(node.users) == 1 and _by_number(next(iter(node.users))) is not None:
         node = next(iter(node.users))
@@ -325,10 +327,16 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
                 "divergence")
     if f["reduce"] == "none":
         return "a hard-label cross-entropy added to a per-row divergence"
-    if c.logit_scale != 1.0 or not _same_cap(c.softcap, _cap(q)) or c.bias_shift or c.shift \
-            or c.weight_scale is not None or c.row_scaled or c.bias is not q.bias:
+    # (a cap c folds to the scale (1/c)·c: 1.0 to rounding only)
+    if not math.isclose(c.logit_scale, 1.0, rel_tol=1e-9) or not _same_cap(c.softcap, _cap(q)) or c.bias_shift \
+            or c.shift or c.weight_scale is not None or c.row_scaled or c.bias is not q.bias:
         return ("the hard-label cross-entropy reads other logits than the student's raw (or softcapped) ones: "
                 "scaled, capped otherwise, biased")
+    # one op gives both terms the student's gradients: not where one of them reads detached logits or runs
+    # under no_grad
+    if _trains(c, other) != _trains(q, f["out"]):
+        return ("the hard-label cross-entropy and the divergence differ in gradient (one reads the student's "
+                "logits detached or under torch.no_grad())")
     reorders = any(isinstance(op, (_steps.Slice, _steps.Permute)) for ch in (q, c) for _, op in ch.shape_ops)
     if reorders or not same(tval(c.nodes[-1]).numel(), tval(q.nodes[-1]).numel()):
         return "the hard-label cross-entropy reads other rows of the student's logits than the divergence"
@@ -338,6 +346,11 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
         return "a divergence mixed with a cross-entropy under dynamic shapes (the batchmean divisor is symbolic)"
     return dict(add=add, target=head.target, ignore_index=int(head.ignore_index), soft=factor / divisor, hard=hard,
                 nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
+
+
+def _trains(c: _logits.LogitsChain, value: Node) -> bool:
+    """Whether a loss term computed as ``value`` from the chain's logits gives them a gradient."""
+    return not c.detached and bool(tval(value).requires_grad)
 
 
 def _cap(c: _logits.LogitsChain) -> Optional[float]:
