@@ -650,13 +650,24 @@ def _recurrentgemma_reverse_rows(hs, ws, ht, wt, **_):
     return (ls.exp() * (ls - lt)).sum(-1).mean()
 
 
+def _sigmoid_capped_with_labels(hs, ws, ht, wt, y, **_):
+    """modded-nanogpt's ``a * sigmoid(z / s)`` heads (a cap and a number added after it, which no
+    softmax reads), Hinton's KD with the CE over the same capped student logits."""
+    s = 3 * torch.sigmoid(F.linear(hs, ws) / 0.75)
+    with torch.no_grad():
+        t = 3 * torch.sigmoid(F.linear(ht, wt) / 0.75)
+    kd = F.kl_div(F.log_softmax(s / 2.0, -1), F.softmax(t / 2.0, -1), reduction="batchmean") * 4.0
+    return kd + 0.3 * F.cross_entropy(s.view(-1, V), y.view(-1))
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
          "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
          "labels_first_sum": _labels_first_sum, "trl_gjsd": _trl_gjsd,
          "trl_gjsd_beta0": functools.partial(_trl_gjsd, beta=0.0), "trl_gjsd_beta1": functools.partial(_trl_gjsd, beta=1.0),
          "trl_gjsd_masked_rows": _trl_gjsd_masked_rows, "verl_masked_mean": _verl_masked_mean,
          "gemma2_hinton_with_labels": _gemma2_hinton_with_labels,
-         "recurrentgemma_reverse_rows": _recurrentgemma_reverse_rows}
+         "recurrentgemma_reverse_rows": _recurrentgemma_reverse_rows,
+         "sigmoid_capped_with_labels": _sigmoid_capped_with_labels}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -800,7 +811,7 @@ def test_declines_say_why():
         kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
         return kd + F.cross_entropy((s / 2.0).view(-1, V), y.view(-1))
 
-    for fn, words in ((shifted, "shifted by a number"), (other_user, "other users"),
+    for fn, words in ((shifted, "shifted by a number inside the cap"), (other_user, "other users"),
                       (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw"),
                       (uncapped_labels, "capped otherwise"), (detached_labels, "differ in gradient"),
                       (logged_labels, "differ in gradient")):

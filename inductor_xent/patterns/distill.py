@@ -37,8 +37,9 @@ head's temperature folded into its scale (``LogitsChain.logit_scale``) and its s
 ``final_logit_softcapping``, the model's logits over ``T``) into the op's ``softcap_s`` /
 ``softcap_t`` (on the raw logits, ``_cap``; a cross-entropy mixed in must read the student's logits
 capped the same); a head computed without gradient (``torch.no_grad()``, ``.detach()``: the teacher)
-gets its inputs detached, a head with gradient gets them. Declines: a per-row or per-vocabulary
-tensor scale, a number added to the logits, heads over two vocabularies, logits with other users.
+gets its inputs detached, a head with gradient gets them. A number added after the cap (modded-nanogpt's
+``a * sigmoid(z / s)``) changes no softmax and is dropped. Declines: a per-row or per-vocabulary tensor
+scale, a number added inside the cap, heads over two vocabularies, logits with other users.
 """
 
 from __future__ import annotations
@@ -328,8 +329,9 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
     if f["reduce"] == "none":
         return "a hard-label cross-entropy added to a per-row divergence"
     # (a cap c folds to the scale (1/c)·c: 1.0 to rounding only)
+    # (a number added after the cap, LogitsChain.shift, changes no softmax: neither term reads it)
     if not math.isclose(c.logit_scale, 1.0, rel_tol=1e-9) or not _same_cap(c.softcap, _cap(q)) or c.bias_shift \
-            or c.shift or c.weight_scale is not None or c.row_scaled or c.bias is not q.bias:
+            or c.weight_scale is not None or c.row_scaled or c.bias is not q.bias:
         return ("the hard-label cross-entropy reads other logits than the student's raw (or softcapped) ones: "
                 "scaled, capped otherwise, biased")
     # one op gives both terms the student's gradients: not where one of them reads detached logits or runs
@@ -370,8 +372,8 @@ def _check(f: dict) -> Optional[str]:
     for role, c in (("fitted", f["q"]), ("target", f["p"])):
         if isinstance(c, Decline):
             return c.reason
-        if c.bias_shift or c.shift:
-            return f"the {role} head's logits are shifted by a number (not supported in distillation)"
+        if c.bias_shift:  # (a number added after the cap, ``shift``, changes no softmax: the op ignores it)
+            return f"the {role} head's logits are shifted by a number inside the cap (not supported in distillation)"
         if c.weight_scale is not None or c.row_scaled:
             return f"the {role} head's logits are scaled by a tensor (not supported in distillation)"
         if c.logit_scale <= 0:
