@@ -142,6 +142,16 @@ def nested_graph_breaks() -> bool:
     return _switch("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", compat.nested_graph_breaks_sound())
 
 
+def capture_dynamic_output_shapes() -> bool:
+    """``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES``: ``1`` (default) traces what runs inside a function
+    compiled with ``backend="inductor_xent"`` (and ``explain``) with
+    ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``, restored when the call returns
+    (``dynamo_tuning.DynamoScope``): a boolean-mask indexing (TRL's ``jsd[labels != -100]`` before the
+    sum) stays in the graph instead of breaking it between the heads and the loss; ``0`` leaves
+    Dynamo's option as it is."""
+    return _switch("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", True)
+
+
 def batch_invariant() -> bool:
     """``INDUCTOR_XENT_BATCH_INVARIANT``: ``1`` makes every row's forward values (loss, log-probs,
     entropy, argmax, logsumexp) on the Triton path the same bits whatever the batch around it: the

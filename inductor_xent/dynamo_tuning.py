@@ -2,8 +2,8 @@
 land in one graph, each with the switch that turns it off.
 
 Dynamo traces before any backend runs, so where it breaks a graph is decided by its own options, not
-by the backend; with two of its defaults the lm_head and the loss of real models end up in different
-graphs (benchmarks/zoo.py: 7 + 9 of 189 transformers causal LMs, below). This module changes three
+by the backend; with three of its defaults the lm_head and the loss of real models end up in different
+graphs (benchmarks/zoo.py: 7 + 9 of 189 transformers causal LMs, below). This module changes these
 things, and nothing else:
 
 * ``tune_dynamo()`` (process-wide): adds transformers' ``logger.warning_once``, when transformers is
@@ -17,7 +17,11 @@ things, and nothing else:
   function compiled with ``backend="inductor_xent"`` (and around ``explain``'s trace); sets
   ``torch._dynamo.config.nested_graph_breaks = True`` for that call and restores it after (9 of the
   zoo's causal LMs fuse only so). Off: ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``
-  (``config.nested_graph_breaks()``).
+  (``config.nested_graph_breaks()``). Likewise ``capture_dynamic_output_shape_ops = True``: a
+  boolean-mask indexing (TRL's GKD loss, ``jsd[labels != -100]`` before ``jsd.sum()``) stays in the
+  graph, where the distillation pass reads it as a masked sum, instead of breaking the graph and
+  returning the ``[N, V]`` divergence. Off: ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0``
+  (``config.capture_dynamic_output_shapes()``).
 * ``honour_backend_ctx()``: wraps ``torch._dynamo.eval_frame.get_compiler_fn`` once (when backend.py
   is imported) so that ``torch.compile(..., backend=<ours>)`` enters our ``backend_ctx_ctor`` (the
   ``DynamoScope``) as ``torch._dynamo.optimize(<ours>)`` does; torch.compile's backend wrapper hides
@@ -79,14 +83,16 @@ def tune_dynamo() -> dict:
                  "torch._dynamo.config.ignore_logging_functions (no graph break on it; compiled code does not "
                  "print it); INDUCTOR_XENT_DYNAMO_TUNING=0 leaves Dynamo's configuration alone")
     config.nested_graph_breaks()  # a bad value is an error here too, before anything is traced
+    config.capture_dynamic_output_shapes()
     return changed
 
 
 class DynamoScope:
     """The backend's ``backend_ctx_ctor``: Dynamo entered around every call of a function compiled
     with ``backend="inductor_xent"`` (and around ``explain``'s trace), with ``nested_graph_breaks =
-    True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``; the option is restored when the call
-    returns. A graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo
+    True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` and ``capture_dynamic_output_shape_ops =
+    True`` unless ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0``; the options are restored when the
+    call returns. A graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo
     skips) then no longer ends the graph at forward's return, which would hand the logits to the
     caller: the caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).
     Scoped because it changes how Dynamo handles every graph break and PyTorch still ships it off:
@@ -98,8 +104,13 @@ class DynamoScope:
     def __enter__(self):
         from torch._dynamo import config as dynamo_config
 
+        changes = {}
         if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
-            self._patch = dynamo_config.patch(nested_graph_breaks=True)
+            changes["nested_graph_breaks"] = True
+        if config.capture_dynamic_output_shapes() and not dynamo_config.capture_dynamic_output_shape_ops:
+            changes["capture_dynamic_output_shape_ops"] = True
+        if changes:
+            self._patch = dynamo_config.patch(**changes)
             self._patch.__enter__()
         return self
 

@@ -108,13 +108,15 @@ def fresh_dynamo():
 @pytest.fixture
 def untuned_dynamo(monkeypatch):
     """Dynamo's two options that ``dynamo_tuning.tune_dynamo`` sets, as a fresh process has them before the
-    backend is looked up (transformers' ``warning_once`` not ignored, no nested graph breaks), and
+    backend is looked up (transformers' ``warning_once`` not ignored, no nested graph breaks, no
+    dynamic output shapes captured), and
     their environment variables unset; the test's changes to them are undone afterwards."""
     from inductor_xent import dynamo_tuning
 
     monkeypatch.delenv("INDUCTOR_XENT_DYNAMO_TUNING", raising=False)
     monkeypatch.delenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", raising=False)
+    monkeypatch.delenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", raising=False)
     cfg = torch._dynamo.config
     untuned = {f for f in cfg.ignore_logging_functions if not f == dynamo_tuning.transformers_warning_once()}
-    with cfg.patch(ignore_logging_functions=untuned, nested_graph_breaks=False):
+    with cfg.patch(ignore_logging_functions=untuned, nested_graph_breaks=False, capture_dynamic_output_shape_ops=False):
         yield cfg

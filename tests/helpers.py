@@ -17,7 +17,7 @@ from torch._dynamo.testing import CompileCounterWithBackend, normalize_gm
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.accuracy import rel_err  # the zoo sweep's measure too
-from inductor_xent import config, ops
+from inductor_xent import config, dynamo_tuning, ops
 from inductor_xent.backend import inductor_xent as xent_backend
 from inductor_xent.options import LossOptions, compute_dtype
 
@@ -475,7 +475,11 @@ DECLINES = {
 # ---------------------------------------------------------------------------------------------
 class Recorder:
     """A backend: records each Dynamo graph before and after our pass (its call targets, and its
-    printout), then compiles it with the backend (``xent.inner`` aot_eager unless given)."""
+    printout), then compiles it with the backend (``xent.inner`` aot_eager unless given). Dynamo
+    traces for it as for the backend itself (its ``DynamoScope``)."""
+
+    backend_ctx_ctor = dynamo_tuning.DynamoScope  # what the real backend carries (inductor_xent/backend.py)
+    _inductor_xent_backend = True
 
     def __init__(self, **options):
         self.options = {"xent.inner": "aot_eager", **options}

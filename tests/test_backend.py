@@ -468,7 +468,8 @@ def test_nested_graph_breaks_default_follows_the_torch_release(untuned_dynamo, m
     assert untuned_dynamo.nested_graph_breaks is False
 
 
-@pytest.mark.parametrize("name", ["INDUCTOR_XENT_DYNAMO_TUNING", "INDUCTOR_XENT_NESTED_GRAPH_BREAKS"])
+@pytest.mark.parametrize("name", ["INDUCTOR_XENT_DYNAMO_TUNING", "INDUCTOR_XENT_NESTED_GRAPH_BREAKS",
+                                  "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES"])
 def test_dynamo_tuning_bad_value_names_accepted_values(untuned_dynamo, monkeypatch, name):
     monkeypatch.setenv(name, "maybe")
     message = f"{name}='maybe'; expected one of 1, true, on, yes, 0, false, off, no"
@@ -538,6 +539,36 @@ def test_nested_graph_breaks_scoped_to_our_compiled_calls(untuned_dynamo, monkey
     assert_parity(loss_only, ins, recording, what="nested off")
     assert returned and all(returned)
     assert untuned_dynamo.nested_graph_breaks is False
+
+
+def _masked_kd(hs, ws, ht, wt, y):
+    """TRL's masking: the divergence's rows under the labels mask by boolean indexing, summed."""
+    kl = F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.log_softmax(F.linear(ht, wt).detach(), -1),
+                  reduction="none", log_target=True)
+    mask = y != -100
+    return kl[mask].sum() / mask.sum()
+
+
+def test_dynamic_output_shapes_captured_in_our_compiled_calls(untuned_dynamo, monkeypatch):
+    """A boolean-mask indexing breaks Dynamo's graph as torch ships it (the ``[N, V]`` divergence then
+    leaves the first graph, no site); inside our compiled calls (and explain) it stays in the graph and
+    the site fuses, with eager's loss; the option is back to False after the call, and
+    ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` leaves it off for ours too."""
+    g = torch.Generator().manual_seed(5)
+    y = torch.randint(0, 64, (2, 8), generator=g)
+    y[:, :3] = -100
+    ins = dict(hs=torch.randn(2, 8, 16, generator=g, requires_grad=True), ws=torch.randn(64, 16, generator=g),
+               ht=torch.randn(2, 8, 16, generator=g), wt=torch.randn(64, 16, generator=g), y=y)
+    report = inductor_xent.explain(_masked_kd, **ins)
+    assert report.fused_count == 1 and report.graph_break_count == 0, str(report)
+    out = torch.compile(_masked_kd, backend="inductor_xent", options={"xent.inner": "aot_eager"})(**ins)
+    torch.testing.assert_close(out, _masked_kd(**ins))
+    assert counters["inductor_xent"]["fused.distillation"] >= 1
+    assert untuned_dynamo.capture_dynamic_output_shape_ops is False
+    monkeypatch.setenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", "0")
+    torch._dynamo.reset()
+    report = inductor_xent.explain(_masked_kd, **ins)
+    assert report.fused_count == 0 and report.graph_break_count == 1, str(report)
 
 
 _FIRST_COMPILE = """

@@ -660,6 +660,39 @@ def _sigmoid_capped_with_labels(hs, ws, ht, wt, y, **_):
     return kd + 0.3 * F.cross_entropy(s.view(-1, V), y.view(-1))
 
 
+def _trl116_gjsd(hs, ws, ht, wt, y, beta=0.4, sum_only=False, **_):
+    """TRL 1.16's GKD loss as ``GKDTrainer.compute_loss`` calls it: logits shifted by one position,
+    the mixture weights ``log1p(-beta)`` and ``log(beta)`` of a tensor ``beta`` (plain KLs at 0 and
+    1), the label mask applied by boolean indexing ``jsd[labels != -100]`` (in the graph under the
+    backend's ``capture_dynamic_output_shape_ops``), ``jsd.sum() / mask.sum().clamp_min(1)``."""
+    s = F.linear(hs, ws)[:, :-1, :] / 2.0
+    with torch.no_grad():
+        t = F.linear(ht, wt)[:, :-1, :] / 2.0
+    labels = y[:, 1:]
+    ls, lt = F.log_softmax(s, dim=-1), F.log_softmax(t, dim=-1)
+    if beta == 0:
+        jsd = F.kl_div(ls, lt, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = F.kl_div(lt, ls, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=ls.dtype, device=ls.device)
+        mixture = torch.logsumexp(torch.stack([ls + torch.log1p(-b), lt + torch.log(b)]), dim=0)
+        jsd = b * F.kl_div(mixture, lt, reduction="none", log_target=True) \
+            + (1 - b) * F.kl_div(mixture, ls, reduction="none", log_target=True)
+    mask = labels != -100
+    jsd = jsd[mask]
+    return jsd.sum() if sum_only else jsd.sum() / mask.sum().clamp_min(1)
+
+
+def _masked_kd_with_labels(hs, ws, ht, wt, y, **_):
+    """A masked per-row KD sum (the prompt masked by the labels) plus the hard-label CE of the same
+    labels: one op, its divergence masked by the CE's own labels."""
+    s = F.linear(hs, ws)
+    rows = F.kl_div(F.log_softmax(s, -1), F.log_softmax(F.linear(ht, wt).detach(), -1), log_target=True,
+                    reduction="none").sum(-1)
+    return 0.5 * (rows * (y != -100).float()).sum() + 0.7 * F.cross_entropy(s.view(-1, s.size(-1)), y.view(-1))
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
          "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
          "labels_first_sum": _labels_first_sum, "trl_gjsd": _trl_gjsd,
@@ -667,7 +700,10 @@ FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_ro
          "trl_gjsd_masked_rows": _trl_gjsd_masked_rows, "verl_masked_mean": _verl_masked_mean,
          "gemma2_hinton_with_labels": _gemma2_hinton_with_labels,
          "recurrentgemma_reverse_rows": _recurrentgemma_reverse_rows,
-         "sigmoid_capped_with_labels": _sigmoid_capped_with_labels}
+         "sigmoid_capped_with_labels": _sigmoid_capped_with_labels,
+         "trl116_gjsd": _trl116_gjsd, "trl116_gjsd_beta0": functools.partial(_trl116_gjsd, beta=0.0),
+         "trl116_gjsd_beta1_sum": functools.partial(_trl116_gjsd, beta=1.0, sum_only=True),
+         "masked_kd_with_labels": _masked_kd_with_labels}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -811,10 +847,16 @@ def test_declines_say_why():
         kd = F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
         return kd + F.cross_entropy((s / 2.0).view(-1, V), y.view(-1))
 
+    def other_mask_with_labels(hs, ws, ht, wt, y, **_):  # one op masks the divergence by the CE's labels only
+        s = F.linear(hs, ws)
+        rows = F.kl_div(F.log_softmax(s, -1), F.log_softmax(F.linear(ht, wt).detach(), -1), log_target=True,
+                        reduction="none").sum(-1)
+        return (rows * (y > 3)).sum() * 0.5 + 0.5 * F.cross_entropy(s.view(-1, V), y.view(-1))
+
     for fn, words in ((shifted, "shifted by a number inside the cap"), (other_user, "other users"),
                       (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw"),
                       (uncapped_labels, "capped otherwise"), (detached_labels, "differ in gradient"),
-                      (logged_labels, "differ in gradient")):
+                      (logged_labels, "differ in gradient"), (other_mask_with_labels, "masked otherwise")):
         report = inductor_xent.explain(fn, **ins)
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
 
@@ -1203,6 +1245,24 @@ def test_cuda_kept_dz_skips_ignored_rows(kind, budget, monkeypatch):
     assert calls == (["m"] * 8 + ["m", "k"] if budget == "1x" else ["m", "m", "m", "k"] * 4), calls
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["trl116_gjsd", "masked_kd_with_labels"])
+def test_cuda_masked_spellings_compiled(name, monkeypatch):
+    """TRL 1.16's GKD loss (``jsd[mask]``) and a masked KD with the CE of the same labels, compiled
+    through Inductor on the GPU in bf16: fused, the masked rows not computed (count-bounded GEMMs),
+    eager's values and student gradients within torch's error of float64."""
+    calls = _skip_calls(monkeypatch)
+    ins, y = _prompted(n=1024, ds=256, dt=384, v=4096, seed=37, device="cuda", prompt=256, pad=37)
+    args = dict(hs=ins["hs"], ws=ins["ws"], ht=ins["ht"], wt=ins["wt"], y=y)
+    if name == "trl116_gjsd":
+        args.update(hs=ins["hs"].view(2, 512, -1), ht=ins["ht"].view(2, 512, -1), y=y.view(2, 512))
+    fn = FUSED[name]
+    assert inductor_xent.explain(fn, **args).fused_count == 1
+    assert_parity(fn, args, "inductor_xent", what=name)
+    assert "k" in calls, "the masked rows were computed"
+
+
 @interpreter_only
 @pytest.mark.parametrize("kind, reduction, hard", [("forward_kl", "batchmean", 0.0), ("jsd", "mean", 0.4),
                                                    ("reverse_kl", "none", 0.4)])
@@ -1277,7 +1337,8 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
 
 
 @interpreter_only
-@pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows", "verl_masked_mean"])
+@pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows", "verl_masked_mean", "trl116_gjsd",
+                                  "masked_kd_with_labels"])
 def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeypatch):
     """Per-row divergences times a boolean row mask (cast or not): ``(rows * mask).sum() / mask.sum()``
     becomes one site of reduction ``sum``, a masked mean over each sequence a per-row site; either way
@@ -1287,6 +1348,9 @@ def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeyp
     ins, y = _prompted()
     fn = functools.partial(FUSED[name], bs=None) if name == "log_target_masked" else FUSED[name]
     args = dict(hs=ins["hs"], ws=ins["ws"], ht=ins["ht"], wt=ins["wt"], y=y)
+    if name == "trl116_gjsd":  # two sequences [2, n / 2, D], shifted by one position
+        args.update(hs=ins["hs"].view(2, -1, ins["hs"].size(-1)), ht=ins["ht"].view(2, -1, ins["ht"].size(-1)),
+                    y=y.view(2, -1))
     site = inductor_xent.explain(fn, **args).sites[0]
     assert site.fused and "row mask" in site.reason, site.reason
     rec = Recorder()

@@ -15,7 +15,9 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
   ignored ones, so it need not compute them; summed whole, ``(rows * mask).sum()`` (the numerator
   of a masked mean, as GKD masks the prompt), one site with reduction ``sum`` (``_masked_sum``);
 * ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
-  ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows);
+  ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows), or its rows under a boolean
+  mask summed whole, ``x[mask].sum()`` (TRL 1.16 masks so; in the graph under the backend's
+  ``capture_dynamic_output_shape_ops``): the masked sum above (``_bool_indexed``);
 * TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
 
       m = torch.logsumexp(torch.stack([lq + torch.log(1 - beta), lp + torch.log(beta)]), dim=0)
@@ -30,7 +32,8 @@ The student's hard-label cross-entropy added to the divergence (``α * F.cross_e
 y.view(-1)) + (1 - α) * kd * T**2``, either order, each side scaled by Python numbers; the
 cross-entropy over the student's raw logits, softcapped as the divergence's are, the mean over the
 labelled rows, both terms with gradients or neither) joins the same op call
-(``hard_weight``): one pass over the student's logits computes both.
+(``hard_weight``): one pass over the student's logits computes both; a masked divergence only where
+the mask is the cross-entropy's own ``labels != ignore_index`` (the op masks the divergence by them).
 
 Whichever head is the student, the op computes ``KL(p ‖ q)`` of the two heads' logits with each
 head's temperature folded into its scale (``LogitsChain.logit_scale``) and its softcap (Gemma 2's
@@ -65,6 +68,10 @@ MUL = (operator.mul, torch.mul, "mul")
 DIV = (operator.truediv, torch.div, "div")
 ADD = (operator.add, torch.add, "add")
 LOG = (torch.log, "log")
+LOG1P = (torch.log1p, "log1p")
+NEG = (operator.neg, torch.neg, "neg")
+NE = (operator.ne, torch.ne, "ne")
+RESHAPES = ("view", "reshape", "flatten", "contiguous")
 STACK = (torch.stack,)
 LOGSUMEXP = (torch.logsumexp, "logsumexp")
 
@@ -129,12 +136,15 @@ def _match(node: Node) -> Union[dict, Decline, None]:
     src = arg(node, 0, "input")
     dim = arg(node, 1, "dim")
     if dim is None and len(node.args) <= 1 and not node.kwargs and isinstance(src, Node):  # a whole sum
-        if is_call(src, KL_DIV) and arg(src, 3, "reduction", "mean") == "none":
-            inner = _match_kl_none(src)
-            return None if inner is None else dict(inner, reduce="sum", out=node, inp=src,
-                                                   nodes=(node, *inner["nodes"]))
-        jsd = _match_mixture_jsd(src)
-        return None if jsd is None else dict(jsd, reduce="sum", out=node, inp=src, nodes=(node, *jsd["nodes"]))
+        elements, mask, indexing = _bool_indexed(src)
+        if is_call(elements, KL_DIV) and arg(elements, 3, "reduction", "mean") == "none":
+            found = _match_kl_none(elements)
+        else:
+            found = _match_mixture_jsd(elements)
+        if found is None:
+            return None
+        return dict(found, reduce="sum", out=node, inp=src, nodes=(node, *indexing, *found["nodes"]),
+                    **({} if mask is None else {"mask": mask}))
     if not isinstance(src, Node) or tval(src) is None or norm_dim(dim, tval(src).dim()) != tval(src).dim() - 1 \
             or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype") is not None:
         return None
@@ -174,6 +184,37 @@ def _bool_source(node) -> Optional[Node]:
     return node if isinstance(node, Node) and tval(node) is not None else None
 
 
+SYM_SIZE = (torch.ops.aten.sym_size.int,)
+ASSERT_SCALAR = (torch.ops.aten._assert_scalar.default,)
+COMPARISONS = (operator.ge, operator.le, operator.gt, operator.lt, operator.eq)
+
+
+def _bool_indexed(src: Node) -> tuple[Node, Optional[Node], tuple]:
+    """``(x, mask, nodes)`` for ``src = x[mask]`` with ``mask`` a boolean tensor of ``x``'s row shape (TRL's
+    ``jsd = jsd[labels != -100]`` before ``jsd.sum()``; Dynamo keeps it in the graph under
+    ``capture_dynamic_output_shape_ops``, an ``[u0, V]`` tensor of unbacked size): summed whole, the
+    mask's rows' sum. ``nodes`` the indexing and Dynamo's checks of ``u0`` (its ``sym_size``, the
+    comparisons and ``_assert_scalar`` of its range), which go with it. Else ``(src, None, ())``."""
+    if not (is_call(src, (operator.getitem,)) and len(src.args) == 2 and isinstance(src.args[1], Node)):
+        return src, None, ()
+    x, mask = src.args
+    tx, tm = tval(x), tval(mask)
+    if not isinstance(x, Node) or tx is None or tm is None or tm.dtype != torch.bool or tm.dim() != tx.dim() - 1 \
+            or tuple(tm.shape) != tuple(tx.shape[:-1]):
+        return src, None, ()
+    nodes = [src]
+    for size in src.users:
+        if size.op == "call_function" and size.target in SYM_SIZE:
+            checks = [u for u in size.users if u.op == "call_function" and u.target in COMPARISONS]
+            if len(checks) != len(size.users) or not all(
+                    all(a.op == "call_function" and a.target in ASSERT_SCALAR for a in c.users) for c in checks):
+                return src, None, ()  # the count read elsewhere (a mean): not the whole sum alone
+            nodes += [size, *checks, *(a for c in checks for a in c.users)]
+        elif not is_call(size, SUM):
+            return src, None, ()
+    return x, mask, tuple(nodes)
+
+
 def _masked_sum(f: dict) -> dict:
     """A per-row site whose rows are only used under a row mask, ``rows * mask`` (``mask`` boolean or
     cast from one, the rows' shape): ``mask`` the rows that count, so the op can skip the others (its
@@ -207,7 +248,8 @@ def _match_kl_none(kl: Node) -> Optional[dict]:
 
 def _number(x) -> Optional[tuple[float, tuple]]:
     """(value, the nodes computing it) of a scalar constant: a Python number, ``torch.tensor(number)``,
-    and ``1 - x``, ``x * y``, ``torch.log(x)`` of such (TRL's ``beta``, ``1 - beta``, ``log(beta)``)."""
+    and ``1 - x``, ``x * y``, ``-x``, ``torch.log(x)``, ``torch.log1p(x)`` of such (TRL's ``beta``,
+    ``1 - beta``, ``log(beta)``, ``log1p(-beta)``)."""
     if isinstance(x, bool) or not isinstance(x, (int, float, Node)):
         return None
     if not isinstance(x, Node):
@@ -223,6 +265,12 @@ def _number(x) -> Optional[tuple[float, tuple]]:
     if is_call(x, LOG) and len(x.args) == 1 and not x.kwargs:
         a = _number(x.args[0])
         return None if a is None or a[0] <= 0 else (math.log(a[0]), (x, *a[1]))
+    if is_call(x, LOG1P) and len(x.args) == 1 and not x.kwargs:  # TRL 1.16: torch.log1p(-beta)
+        a = _number(x.args[0])
+        return None if a is None or a[0] <= -1 else (math.log1p(a[0]), (x, *a[1]))
+    if is_call(x, NEG) and len(x.args) == 1 and not x.kwargs:
+        a = _number(x.args[0])
+        return None if a is None else (-a[0], (x, *a[1]))
     return None
 
 
@@ -342,12 +390,37 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
     reorders = any(isinstance(op, (_steps.Slice, _steps.Permute)) for ch in (q, c) for _, op in ch.shape_ops)
     if reorders or not same(tval(c.nodes[-1]).numel(), tval(q.nodes[-1]).numel()):
         return "the hard-label cross-entropy reads other rows of the student's logits than the divergence"
+    # a masked divergence (``(rows * mask).sum()``): the op masks it by the cross-entropy's labels, so the
+    # mask must be those labels' own (``y != ignore_index``)
+    mask = f.get("mask")
+    if mask is not None and not _labels_mask(mask, head.target, int(head.ignore_index)):
+        return ("a hard-label cross-entropy added to a divergence masked otherwise than by its labels "
+                "(the mask is not `labels != ignore_index`)")
     inp = tval(f["inp"])
     divisor = {"batchmean": inp.shape[0], "mean": inp.numel(), "sum": 1}[f["reduce"]]
     if not isinstance(divisor, int):
         return "a divergence mixed with a cross-entropy under dynamic shapes (the batchmean divisor is symbolic)"
     return dict(add=add, target=head.target, ignore_index=int(head.ignore_index), soft=factor / divisor, hard=hard,
-                nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
+                masked=mask is not None, nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
+
+
+
+def _unviewed(node):
+    while isinstance(node, Node) and node.op == "call_method" and node.target in RESHAPES:
+        node = node.args[0]
+    return node
+
+
+def _labels_mask(mask: Node, target: Node, ignore_index: int) -> bool:
+    """Whether ``mask`` is ``target != ignore_index`` (either tensor reshaped), the rows a cross-entropy
+    over ``target`` counts."""
+    if not (is_call(mask, NE) and len(mask.args) == 2 and not mask.kwargs):
+        return False
+    labels, value = mask.args
+    if isinstance(labels, (int, float)) and isinstance(value, Node):
+        labels, value = value, labels
+    return isinstance(value, int) and not isinstance(value, bool) and value == ignore_index \
+        and _unviewed(labels) is _unviewed(target)
 
 
 def _trains(c: _logits.LogitsChain, value: Node) -> bool:
@@ -453,7 +526,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     if mix is not None:  # soft · Σ KL / divisor + hard · the mean cross-entropy, every row's KL counted
         target = mix["target"] if tval(mix["target"]).dim() == 1 else e.method("reshape", mix["target"], -1)
         out = e.call(op, hs, ws, bs, ht, wt, bt, target, mix["ignore_index"], kind, beta,
-                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], False, *tail,
+                     float(q.logit_scale), float(p.logit_scale), "sum", needs, mix["soft"], mix["hard"], mix["masked"],
+                     *tail,
                      **capped)
         node = mix["add"]
     else:  # a row mask (_masked_sum) as the target: its False rows ignored, so the op can skip them
