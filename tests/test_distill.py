@@ -17,7 +17,7 @@ import inductor_xent
 from inductor_xent import compat, ops
 from inductor_xent.distill import KINDS, REDUCTIONS, linear_distillation_loss
 
-from .helpers import Recorder, assert_parity, assert_within_torch_error, fused_ops, logits_sized
+from .helpers import Recorder, assert_parity, assert_within_torch_error, fused_ops, logits_sized, rel_err, run_both
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -1259,7 +1259,14 @@ def test_cuda_masked_spellings_compiled(name, monkeypatch):
         args.update(hs=ins["hs"].view(2, 512, -1), ht=ins["ht"].view(2, 512, -1), y=y.view(2, 512))
     fn = FUSED[name]
     assert inductor_xent.explain(fn, **args).fused_count == 1
-    assert_parity(fn, args, "inductor_xent", what=name)
+    le, ge, lc, gc, l64, g64 = run_both(fn, args, "inductor_xent")
+    # the loss: a sum over ~700 rows' KLs of bf16-rounded logits, ours and eager's alike, each run one draw
+    # of that rounding (on an H100 ours 1.8e-4 from float64 against eager's lucky 3.9e-5): bounded at the
+    # logits' precision (a row counted wrongly is 1.4e-3), the gradients against eager's error
+    assert lc.dtype == le.dtype and rel_err(lc, l64) <= 5e-4, (rel_err(lc, l64), rel_err(le, l64))
+    assert set(gc) == set(ge)
+    for k in ge:
+        assert_within_torch_error(gc[k], ge[k], g64[k], what=f"{name} grad {k}")
     assert "k" in calls, "the masked rows were computed"
 
 
