@@ -38,6 +38,9 @@ def test_readme_has_its_sections_and_examples():
     assert sum(map(len, SECTIONS.values())) == len(BLOCK.findall(README.read_text())), \
         "a python block sits outside the numbered sections: no test runs it"
     assert len(SECTIONS["4"]) >= 3, "README lost its functional API examples"
+    # an edit that cuts across a fence leaves one unpaired (94b2f42 cut the top-k section's opening one)
+    fences = [line for line in README.read_text().splitlines() if line.startswith("```")]
+    assert len(fences) % 2 == 0, "an unpaired ``` fence: a code block lost its opening or closing line"
 
 
 @pytest.mark.slow(s=120)
