@@ -660,7 +660,7 @@ def _sigmoid_capped_with_labels(hs, ws, ht, wt, y, **_):
     return kd + 0.3 * F.cross_entropy(s.view(-1, V), y.view(-1))
 
 
-def _trl116_gjsd(hs, ws, ht, wt, y, beta=0.4, sum_only=False, **_):
+def _trl116_gjsd(hs, ws, ht, wt, y, beta=0.4, sum_only=False, mean=False, **_):
     """TRL 1.16's GKD loss as ``GKDTrainer.compute_loss`` calls it: logits shifted by one position,
     the mixture weights ``log1p(-beta)`` and ``log(beta)`` of a tensor ``beta`` (plain KLs at 0 and
     1), the label mask applied by boolean indexing ``jsd[labels != -100]`` (in the graph under the
@@ -681,7 +681,15 @@ def _trl116_gjsd(hs, ws, ht, wt, y, beta=0.4, sum_only=False, **_):
             + (1 - b) * F.kl_div(mixture, ls, reduction="none", log_target=True)
     mask = labels != -100
     jsd = jsd[mask]
+    if mean:  # TRL's reduction="mean": over the kept rows' elements
+        return jsd.mean()
     return jsd.sum() if sum_only else jsd.sum() / mask.sum().clamp_min(1)
+
+
+def _kl_none_mean(hs, ws, ht, wt, **_):
+    """``kl_div(..., reduction="none").mean()``: kl_div's own "mean", over every element."""
+    return F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.log_softmax(F.linear(ht, wt).detach(), -1),
+                    reduction="none", log_target=True).mean()
 
 
 def _masked_kd_with_labels(hs, ws, ht, wt, y, **_):
@@ -703,7 +711,8 @@ FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_ro
          "sigmoid_capped_with_labels": _sigmoid_capped_with_labels,
          "trl116_gjsd": _trl116_gjsd, "trl116_gjsd_beta0": functools.partial(_trl116_gjsd, beta=0.0),
          "trl116_gjsd_beta1_sum": functools.partial(_trl116_gjsd, beta=1.0, sum_only=True),
-         "masked_kd_with_labels": _masked_kd_with_labels}
+         "masked_kd_with_labels": _masked_kd_with_labels, "trl116_gjsd_mean": functools.partial(_trl116_gjsd, mean=True),
+         "kl_none_mean": _kl_none_mean}
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
@@ -853,7 +862,14 @@ def test_declines_say_why():
                         reduction="none").sum(-1)
         return (rows * (y > 3)).sum() * 0.5 + 0.5 * F.cross_entropy(s.view(-1, V), y.view(-1))
 
+    def masked_mean_with_labels(hs, ws, ht, wt, y, **_):  # the op's CE mix has no mean over masked elements
+        s = F.linear(hs, ws)
+        kl = F.kl_div(F.log_softmax(s, -1), F.log_softmax(F.linear(ht, wt).detach(), -1), log_target=True,
+                      reduction="none")
+        return kl[y != -100].mean() + 0.5 * F.cross_entropy(s.view(-1, V), y.view(-1))
+
     for fn, words in ((shifted, "shifted by a number inside the cap"), (other_user, "other users"),
+                      (masked_mean_with_labels, "mean of a divergence's masked elements"),
                       (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw"),
                       (uncapped_labels, "capped otherwise"), (detached_labels, "differ in gradient"),
                       (logged_labels, "differ in gradient"), (other_mask_with_labels, "masked otherwise")):
@@ -1346,7 +1362,7 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
 
 @interpreter_only
 @pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows", "verl_masked_mean", "trl116_gjsd",
-                                  "masked_kd_with_labels"])
+                                  "trl116_gjsd_mean", "masked_kd_with_labels"])
 def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeypatch):
     """Per-row divergences times a boolean row mask (cast or not): ``(rows * mask).sum() / mask.sum()``
     becomes one site of reduction ``sum``, a masked mean over each sequence a per-row site; either way
@@ -1356,7 +1372,7 @@ def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeyp
     ins, y = _prompted()
     fn = functools.partial(FUSED[name], bs=None) if name == "log_target_masked" else FUSED[name]
     args = dict(hs=ins["hs"], ws=ins["ws"], ht=ins["ht"], wt=ins["wt"], y=y)
-    if name == "trl116_gjsd":  # two sequences [2, n / 2, D], shifted by one position
+    if name.startswith("trl116"):  # two sequences [2, n / 2, D], shifted by one position
         args.update(hs=ins["hs"].view(2, -1, ins["hs"].size(-1)), ht=ins["ht"].view(2, -1, ins["ht"].size(-1)),
                     y=y.view(2, -1))
     site = inductor_xent.explain(fn, **args).sites[0]

@@ -15,9 +15,11 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
   ignored ones, so it need not compute them; summed whole, ``(rows * mask).sum()`` (the numerator
   of a masked mean, as GKD masks the prompt), one site with reduction ``sum`` (``_masked_sum``);
 * ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
-  ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows), or its rows under a boolean
-  mask summed whole, ``x[mask].sum()`` (TRL 1.16 masks so; in the graph under the backend's
-  ``capture_dynamic_output_shape_ops``): the masked sum above (``_bool_indexed``);
+  ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows) or averaged (``.mean()``: kl_div's
+  "mean"), or its rows under a boolean mask summed whole, ``x[mask].sum()`` (TRL 1.16 masks so; in the
+  graph under the backend's ``capture_dynamic_output_shape_ops``): the masked sum above
+  (``_bool_indexed``); ``x[mask].mean()`` (TRL's ``reduction="mean"``) that sum over the kept rows'
+  elements (``masked_mean``);
 * TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
 
       m = torch.logsumexp(torch.stack([lq + torch.log(1 - beta), lp + torch.log(beta)]), dim=0)
@@ -63,6 +65,7 @@ from ._site import Decline, Head, log_probs_of, probs_of
 PATTERN = "distillation"
 KL_DIV = (F.kl_div,)
 SUM = (torch.sum, "sum")
+MEAN = (torch.mean, "mean")
 SUB = (operator.sub, torch.sub, "sub")
 MUL = (operator.mul, torch.mul, "mul")
 DIV = (operator.truediv, torch.div, "div")
@@ -87,7 +90,9 @@ def run(gm: GraphModule, log, strategy: Optional[str] = None, store_budget=None)
     reports = []
     for node in [*gm.graph.find_nodes(op="call_function", target=F.kl_div),
                  *gm.graph.find_nodes(op="call_method", target="sum"),
-                 *gm.graph.find_nodes(op="call_function", target=torch.sum)]:
+                 *gm.graph.find_nodes(op="call_function", target=torch.sum),
+                 *gm.graph.find_nodes(op="call_method", target="mean"),
+                 *gm.graph.find_nodes(op="call_function", target=torch.mean)]:
         if node.graph is not gm.graph or not node.users:
             continue
         try:
@@ -135,7 +140,7 @@ def _match(node: Node) -> Union[dict, Decline, None]:
     # per row: kl_div(..., reduction="none").sum(-1), or (P * (log_p - log_q)).sum(-1)
     src = arg(node, 0, "input")
     dim = arg(node, 1, "dim")
-    if dim is None and len(node.args) <= 1 and not node.kwargs and isinstance(src, Node):  # a whole sum
+    if dim is None and len(node.args) <= 1 and not node.kwargs and isinstance(src, Node):  # a whole sum (mean)
         elements, mask, indexing = _bool_indexed(src)
         if is_call(elements, KL_DIV) and arg(elements, 3, "reduction", "mean") == "none":
             found = _match_kl_none(elements)
@@ -143,8 +148,12 @@ def _match(node: Node) -> Union[dict, Decline, None]:
             found = _match_mixture_jsd(elements)
         if found is None:
             return None
-        return dict(found, reduce="sum", out=node, inp=src, nodes=(node, *indexing, *found["nodes"]),
+        # a mean over the elements: of every one (kl_div's "mean"), or of the mask's rows' (TRL's "mean")
+        reduce = "sum" if is_call(node, SUM) else "mean" if mask is None else "masked_mean"
+        return dict(found, reduce=reduce, out=node, inp=src, nodes=(node, *indexing, *found["nodes"]),
                     **({} if mask is None else {"mask": mask}))
+    if is_call(node, MEAN):
+        return None
     if not isinstance(src, Node) or tval(src) is None or norm_dim(dim, tval(src).dim()) != tval(src).dim() - 1 \
             or arg(node, 2, "keepdim", False) or node.kwargs.get("dtype") is not None:
         return None
@@ -210,7 +219,7 @@ def _bool_indexed(src: Node) -> tuple[Node, Optional[Node], tuple]:
                     all(a.op == "call_function" and a.target in ASSERT_SCALAR for a in c.users) for c in checks):
                 return src, None, ()  # the count read elsewhere (a mean): not the whole sum alone
             nodes += [size, *checks, *(a for c in checks for a in c.users)]
-        elif not is_call(size, SUM):
+        elif not (is_call(size, SUM) or is_call(size, MEAN)):
             return src, None, ()
     return x, mask, tuple(nodes)
 
@@ -396,6 +405,8 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
     if mask is not None and not _labels_mask(mask, head.target, int(head.ignore_index)):
         return ("a hard-label cross-entropy added to a divergence masked otherwise than by its labels "
                 "(the mask is not `labels != ignore_index`)")
+    if f["reduce"] == "masked_mean":
+        return "a hard-label cross-entropy added to the mean of a divergence's masked elements"
     inp = tval(f["inp"])
     divisor = {"batchmean": inp.shape[0], "mean": inp.numel(), "sum": 1}[f["reduce"]]
     if not isinstance(divisor, int):
@@ -552,6 +563,10 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     elif reduce == "mean":
         count = tval(f["inp"]).numel()
         value = e.call(operator.truediv, value, count if _static((count,)) else e.method("numel", f["inp"]))
+    elif reduce == "masked_mean":  # x[mask].mean(): over the mask's rows' elements
+        v = lp_shape[-1] if _static((lp_shape[-1],)) else e.method("size", q.nodes[-1], -1)
+        count = e.call(operator.mul, e.method("sum", f["mask"]), v)
+        value = e.call(operator.truediv, value, count)
     if tval(value).dtype != tval(node).dtype:
         value = e.method("to", value, tval(node).dtype)
     node.replace_all_uses_with(value)
@@ -574,7 +589,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
         size = f"~{kept / 2**20:.0f} MiB" if kept >= 2**20 else f"~{kept / 2**10:.0f} KiB"
         how += (f"; the student's gradient logits of every row kept ({size}) for one weight-gradient "
                 "GEMM")
-    return _report.SiteReport(PATTERN, True, f"fused: {what} of two lm_heads in one op, reduction={reduce}, "
+    reduction = REDUCTION_WORDS.get(reduce, reduce)
+    return _report.SiteReport(PATTERN, True, f"fused: {what} of two lm_heads in one op, reduction={reduction}, "
                               f"temperatures {1 / q.logit_scale:g} and {1 / p.logit_scale:g}"
                               + ("" if caps == (None, None) else
                                  f", softcaps {_words(caps[0])} and {_words(caps[1])} before them")
@@ -587,6 +603,7 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                               strategy_reason=how, extra_bytes=kept or None)
 
 
+REDUCTION_WORDS = {"masked_mean": "mean over the mask's rows"}
 # explain's note on a _masked_sum site
 MASKED = (", under a row mask (its dropped rows the op's ignored ones: not computed, on CUDA for biasless "
           "16-bit heads)")
