@@ -842,9 +842,17 @@ def _backward(ctx, grad_loss, *_grads):
         grads = linear_distill_bwd(grad_loss, hs, ws, bs, ht, wt, bt, target, ignore_index, kind, beta,
                                    scale_s, scale_t, needs, *ctx.weights)
     else:
-        grads = [g * grad_loss.to(g.dtype) if g.numel() else g for g in saved]
-    out = [g if (need and g.numel()) else None for g, need in zip(grads, needs)]
+        grads = [g * grad_loss.to(g.dtype) if _present(g) else g for g in saved]
+    out = [g if (need and _present(g)) else None for g, need in zip(grads, needs)]
     return (*out, *(None,) * (ctx.n_inputs - 6))
+
+
+def _present(g: Tensor) -> bool:
+    """A gradient the forward formed, not its empty stand-in; without guarding on a row count that is
+    data-dependent (hidden states indexed by a boolean mask: an unbacked size, which is not 0)."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return not statically_known_true(g.numel() == 0)
 
 
 linear_distill_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -915,7 +923,7 @@ def _recompute_backward(ctx, grad_loss, _grad_stats):
         grad_div, grad_ce = row_grad * g, None if ce_grad is None else ce_grad * g
     grads = linear_distill_recompute_bwd(grad_div, grad_ce, stats, hs, ws, bs, ht, wt, bt, target, kind, beta,
                                          scale_s, scale_t, needs, *caps)
-    out = [gr if (need and gr.numel()) else None for gr, need in zip(grads, needs)]
+    out = [gr if (need and _present(gr)) else None for gr, need in zip(grads, needs)]
     return (*out, *(None,) * (ctx.n_inputs - 6))
 
 

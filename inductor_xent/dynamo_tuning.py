@@ -17,11 +17,12 @@ things, and nothing else:
   function compiled with ``backend="inductor_xent"`` (and around ``explain``'s trace); sets
   ``torch._dynamo.config.nested_graph_breaks = True`` for that call and restores it after (9 of the
   zoo's causal LMs fuse only so). Off: ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``
-  (``config.nested_graph_breaks()``). Likewise ``capture_dynamic_output_shape_ops = True``: a
-  boolean-mask indexing (TRL's GKD loss, ``jsd[labels != -100]`` before ``jsd.sum()``) stays in the
+  (``config.nested_graph_breaks()``). With ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1`` (off by
+  default, ``config.capture_dynamic_output_shapes()``) also ``capture_dynamic_output_shape_ops = True``:
+  a boolean-mask indexing (TRL's GKD loss, ``jsd[labels != -100]`` before ``jsd.sum()``) stays in the
   graph, where the distillation pass reads it as a masked sum, instead of breaking the graph and
-  returning the ``[N, V]`` divergence. Off: ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0``
-  (``config.capture_dynamic_output_shapes()``).
+  returning the ``[N, V]`` divergence. Off by default because Dynamo then fails on code that branches
+  on such a size's truth (``if z.shape[0]:``), where it would otherwise break the graph.
 * ``honour_backend_ctx()``: wraps ``torch._dynamo.eval_frame.get_compiler_fn`` once (when backend.py
   is imported) so that ``torch.compile(..., backend=<ours>)`` enters our ``backend_ctx_ctor`` (the
   ``DynamoScope``) as ``torch._dynamo.optimize(<ours>)`` does; torch.compile's backend wrapper hides
@@ -91,7 +92,7 @@ class DynamoScope:
     """The backend's ``backend_ctx_ctor``: Dynamo entered around every call of a function compiled
     with ``backend="inductor_xent"`` (and around ``explain``'s trace), with ``nested_graph_breaks =
     True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` and ``capture_dynamic_output_shape_ops =
-    True`` unless ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0``; the options are restored when the
+    True`` where ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1``; the options are restored when the
     call returns. A graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo
     skips) then no longer ends the graph at forward's return, which would hand the logits to the
     caller: the caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).

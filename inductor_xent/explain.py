@@ -27,6 +27,12 @@ LOSS_TYPE_HINT = (
     "Dynamo tuning, which skips that call, was switched off (INDUCTOR_XENT_DYNAMO_TUNING=0): unset it, or "
     "set model.loss_type = 'ForCausalLM' once before compiling"
 )
+CAPTURE_HINT = (
+    "Dynamo broke the graph at an operator whose output shape depends on the data (a boolean-mask index, "
+    "as TRL's GKD loss masks its jsd): a divergence or logits before it leave the graph whole; set "
+    "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1 to keep it in the graph, where the pass reads "
+    "x[mask].sum() as a masked sum"
+)
 NESTED_HINT = (
     "Dynamo graph-breaks inside the model's forward ({}), so the forward's last graph ends at its return "
     "and hands the whole output, logits included, to the caller: remove that break{}"
@@ -86,6 +92,9 @@ class Report:
                 lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
         else:
             lines.append("  no lm_head matmul -> cross-entropy site found")
+        if self.graph_break_count and not self.sites and any(
+                "Dynamic shape operator" in r for r in self.graph_break_reasons):
+            lines.append("note: " + CAPTURE_HINT + ".")
         if self.logits_escape:
             lines.append("note: " + ESCAPE_HINT + ".")
         return "\n".join(lines)

@@ -551,24 +551,38 @@ def _masked_kd(hs, ws, ht, wt, y):
 
 def test_dynamic_output_shapes_captured_in_our_compiled_calls(untuned_dynamo, monkeypatch):
     """A boolean-mask indexing breaks Dynamo's graph as torch ships it (the ``[N, V]`` divergence then
-    leaves the first graph, no site); inside our compiled calls (and explain) it stays in the graph and
-    the site fuses, with eager's loss; the option is back to False after the call, and
-    ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` leaves it off for ours too."""
+    leaves the first graph: no site), and by default in ours too, explain naming the setting; with
+    ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1`` it stays in the graph inside our compiled calls (and
+    explain) and the site fuses, with eager's loss; the option is back to False after the call."""
     g = torch.Generator().manual_seed(5)
     y = torch.randint(0, 64, (2, 8), generator=g)
     y[:, :3] = -100
     ins = dict(hs=torch.randn(2, 8, 16, generator=g, requires_grad=True), ws=torch.randn(64, 16, generator=g),
                ht=torch.randn(2, 8, 16, generator=g), wt=torch.randn(64, 16, generator=g), y=y)
     report = inductor_xent.explain(_masked_kd, **ins)
+    assert report.fused_count == 0 and report.graph_break_count == 1, str(report)
+    assert "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1" in str(report), str(report)
+    monkeypatch.setenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", "1")
+    torch._dynamo.reset()
+    report = inductor_xent.explain(_masked_kd, **ins)
     assert report.fused_count == 1 and report.graph_break_count == 0, str(report)
     out = torch.compile(_masked_kd, backend="inductor_xent", options={"xent.inner": "aot_eager"})(**ins)
     torch.testing.assert_close(out, _masked_kd(**ins))
     assert counters["inductor_xent"]["fused.distillation"] >= 1
     assert untuned_dynamo.capture_dynamic_output_shape_ops is False
-    monkeypatch.setenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", "0")
-    torch._dynamo.reset()
-    report = inductor_xent.explain(_masked_kd, **ins)
-    assert report.fused_count == 0 and report.graph_break_count == 1, str(report)
+
+
+def test_data_dependent_branches_compile_by_default(untuned_dynamo):
+    """Code that branches on the truth of a boolean-indexed size traces as with backend="inductor" (a
+    graph break): with capture_dynamic_output_shape_ops on, Dynamo raises GuardOnDataDependentSymNode
+    there instead, which is why the capture is opt-in."""
+    def f(x, y):
+        z = x[y > 0]
+        return z.sum() if z.shape[0] else x.sum()
+
+    x, y = torch.randn(8, 4), torch.randn(8)
+    torch.testing.assert_close(torch.compile(f, backend="inductor_xent", options={"xent.inner": "aot_eager"})(x, y),
+                               f(x, y))
 
 
 _FIRST_COMPILE = """

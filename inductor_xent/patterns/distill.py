@@ -17,8 +17,9 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
 * ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
   ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows) or averaged (``.mean()``: kl_div's
   "mean"), or its rows under a boolean mask summed whole, ``x[mask].sum()`` (TRL 1.16 masks so; in the
-  graph under the backend's ``capture_dynamic_output_shape_ops``): the masked sum above
-  (``_bool_indexed``); ``x[mask].mean()`` (TRL's ``reduction="mean"``) that sum over the kept rows'
+  graph under the backend's ``capture_dynamic_output_shape_ops``, which
+  ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1`` sets): the masked sum above (``_bool_indexed``);
+  ``x[mask].mean()`` (TRL's ``reduction="mean"``) that sum over the kept rows'
   elements (``masked_mean``);
 * TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
 
@@ -405,6 +406,13 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
     if mask is not None and not _labels_mask(mask, head.target, int(head.ignore_index)):
         return ("a hard-label cross-entropy added to a divergence masked otherwise than by its labels "
                 "(the mask is not `labels != ignore_index`)")
+    if mask is not None:  # the op masks by the labels as the CE reads them: no write since the mask was taken
+        order = {n: i for i, n in enumerate(add.graph.nodes)}
+        written = next((n for n in add.graph.nodes if order[mask] < order[n] < order[add] and _mutation.writes(n)),
+                       None)
+        if written is not None:
+            return (f"{_mutation.spelling(written)} writes a tensor between the labels mask and the hard-label "
+                    "cross-entropy")
     if f["reduce"] == "masked_mean":
         return "a hard-label cross-entropy added to the mean of a divergence's masked elements"
     inp = tval(f["inp"])
@@ -566,7 +574,10 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
     elif reduce == "masked_mean":  # x[mask].mean(): over the mask's rows' elements
         v = lp_shape[-1] if _static((lp_shape[-1],)) else e.method("size", q.nodes[-1], -1)
         count = e.call(operator.mul, e.method("sum", f["mask"]), v)
-        value = e.call(operator.truediv, value, count)
+        # an empty mask: eager's mean of nothing is NaN and its gradients 0 (nothing was indexed); a
+        # plain 0 / 0 here would send NaN back through the gradients the op formed
+        mean = e.call(operator.truediv, value, e.method("clamp_min", count, 1))
+        value = e.call(torch.where, e.call(operator.eq, count, 0), math.nan, mean)
     if tval(value).dtype != tval(node).dtype:
         value = e.method("to", value, tval(node).dtype)
     node.replace_all_uses_with(value)
