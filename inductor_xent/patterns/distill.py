@@ -75,7 +75,6 @@ LOG = (torch.log, "log")
 LOG1P = (torch.log1p, "log1p")
 NEG = (operator.neg, torch.neg, "neg")
 NE = (operator.ne, torch.ne, "ne")
-RESHAPES = ("view", "reshape", "flatten", "contiguous")
 STACK = (torch.stack,)
 LOGSUMEXP = (torch.logsumexp, "logsumexp")
 
@@ -407,9 +406,7 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
         return ("a hard-label cross-entropy added to a divergence masked otherwise than by its labels "
                 "(the mask is not `labels != ignore_index`)")
     if mask is not None:  # the op masks by the labels as the CE reads them: no write since the mask was taken
-        order = {n: i for i, n in enumerate(add.graph.nodes)}
-        written = next((n for n in add.graph.nodes if order[mask] < order[n] < order[add] and _mutation.writes(n)),
-                       None)
+        written = _write_between((mask,), add)
         if written is not None:
             return (f"{_mutation.spelling(written)} writes a tensor between the labels mask and the hard-label "
                     "cross-entropy")
@@ -423,9 +420,16 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
                 masked=mask is not None, nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
 
 
+def _write_between(firsts, last: Node) -> Optional[Node]:
+    """The first node after the earliest of ``firsts`` and before ``last`` (graph order) that writes a
+    tensor (``_mutation.writes``), or None."""
+    order = {n: i for i, n in enumerate(last.graph.nodes)}
+    lo = min(order[n] for n in firsts)
+    return next((n for n in last.graph.nodes if lo < order[n] < order[last] and _mutation.writes(n)), None)
+
 
 def _unviewed(node):
-    while isinstance(node, Node) and node.op == "call_method" and node.target in RESHAPES:
+    while is_call(node, _steps.VIEWS) and node.args:
         node = node.args[0]
     return node
 
@@ -491,9 +495,7 @@ def _check(f: dict) -> Optional[str]:
             mine |= set(mix["nodes"])
             others = sorted({u.name for n in mine if n is not last for u in n.users if u not in mine})
     # the op reads both heads' inputs at the loss: no write between the first matmul and the loss
-    order = {n: i for i, n in enumerate(f["out"].graph.nodes)}
-    lo, hi = min(order[q.matmul], order[p.matmul]), order[last]
-    written = next((n for n in f["out"].graph.nodes if lo < order[n] < hi and _mutation.writes(n)), None)
+    written = _write_between((q.matmul, p.matmul), last)
     if written is not None:
         return f"{_mutation.spelling(written)} writes a tensor between the lm_head matmuls and the loss"
     if isinstance(mix, str):
