@@ -29,8 +29,9 @@ the graph are set before it traces.
   it off. The only setting the package changes for the whole process without being asked
   (``install()`` is asked).
 * ``dynamo_tuning.DynamoScope``, this backend's ``backend_ctx_ctor``, sets ``nested_graph_breaks``
-  (unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``) and, with ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1``,
-  ``capture_dynamic_output_shape_ops`` only while a function compiled with this backend runs;
+  (unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``) and ``capture_dynamic_output_shape_ops`` (unless
+  ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` or the compile runs CUDA graphs; a frame it
+  cannot trace so is traced again without it) only while a function compiled with this backend runs;
   ``dynamo_tuning.honour_backend_ctx`` makes ``torch.compile`` enter it, as
   ``torch._dynamo.optimize`` does (torch.compile's backend wrapper hides the attribute).
 """

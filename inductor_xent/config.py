@@ -143,15 +143,15 @@ def nested_graph_breaks() -> bool:
 
 
 def capture_dynamic_output_shapes() -> bool:
-    """``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES``: ``1`` traces what runs inside a function compiled
-    with ``backend="inductor_xent"`` (and ``explain``) with
+    """``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES``: ``1`` (default) traces what runs inside a function
+    compiled with ``backend="inductor_xent"`` (and ``explain``) with
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``, restored when the call returns
     (``dynamo_tuning.DynamoScope``): a boolean-mask indexing (TRL's ``jsd[labels != -100]`` before the
-    sum) stays in the graph instead of breaking it between the heads and the loss. ``0`` (default)
-    leaves Dynamo's option as it is: with it on, code that branches on such a size's truth (``if
-    z.shape[0]:`` after ``z = x[mask]``) fails to trace where Dynamo would break the graph, and logits
-    indexed by a mask beside a loss keep the loss from fusing."""
-    return _switch("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", False)
+    sum, ``logits[mask].argmax(-1)`` for an accuracy) stays in the graph instead of breaking it between
+    the heads and the loss. A frame that branches on the truth of such a size (``if z.shape[0]:`` after
+    ``z = x[mask]``), which Dynamo cannot trace so, is traced again without it
+    (``dynamo_tuning.retry_without_capture``). ``0`` leaves Dynamo's option as it is (off unless set)."""
+    return _switch("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", True)
 
 
 def batch_invariant() -> bool:

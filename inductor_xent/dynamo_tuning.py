@@ -17,12 +17,16 @@ things, and nothing else:
   function compiled with ``backend="inductor_xent"`` (and around ``explain``'s trace); sets
   ``torch._dynamo.config.nested_graph_breaks = True`` for that call and restores it after (9 of the
   zoo's causal LMs fuse only so). Off: ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0``
-  (``config.nested_graph_breaks()``). With ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1`` (off by
-  default, ``config.capture_dynamic_output_shapes()``) also ``capture_dynamic_output_shape_ops = True``:
-  a boolean-mask indexing (TRL's GKD loss, ``jsd[labels != -100]`` before ``jsd.sum()``) stays in the
-  graph, where the distillation pass reads it as a masked sum, instead of breaking the graph and
-  returning the ``[N, V]`` divergence. Off by default because Dynamo then fails on code that branches
-  on such a size's truth (``if z.shape[0]:``), where it would otherwise break the graph.
+  (``config.nested_graph_breaks()``). Also ``capture_dynamic_output_shape_ops = True`` (off:
+  ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0``, ``config.capture_dynamic_output_shapes()``): a
+  boolean-mask indexing (TRL's GKD loss, ``jsd[labels != -100]`` before ``jsd.sum()``; an accuracy's
+  ``logits[mask].argmax(-1)``) stays in the graph, where the pass reads it (a masked sum; the mask
+  moved after the head), instead of breaking the graph and returning the ``[N, V]`` tensor.
+* ``retry_without_capture()``: with the capture on, Dynamo fails on code that branches on the truth
+  of such a size (``if z.shape[0]:``), where it would otherwise break the graph. This wraps Dynamo's
+  frame conversion once (when a scope first turns the capture on) so that such a frame is traced
+  again without the capture, as ``backend="inductor"`` traces it; counted in
+  ``counters["inductor_xent"]["frames_traced_without_capture"]``.
 * ``honour_backend_ctx()``: wraps ``torch._dynamo.eval_frame.get_compiler_fn`` once (when backend.py
   is imported) so that ``torch.compile(..., backend=<ours>)`` enters our ``backend_ctx_ctor`` (the
   ``DynamoScope``) as ``torch._dynamo.optimize(<ours>)`` does; torch.compile's backend wrapper hides
@@ -37,8 +41,10 @@ difference is ``compat.loggable_function``.
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -92,15 +98,19 @@ class DynamoScope:
     """The backend's ``backend_ctx_ctor``: Dynamo entered around every call of a function compiled
     with ``backend="inductor_xent"`` (and around ``explain``'s trace), with ``nested_graph_breaks =
     True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` and ``capture_dynamic_output_shape_ops =
-    True`` where ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1``; the options are restored when the
-    call returns. A graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo
-    skips) then no longer ends the graph at forward's return, which would hand the logits to the
-    caller: the caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).
+    True`` unless ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` or ``capture=False`` (a compile
+    with CUDA graphs: a graph holding a boolean index's ``nonzero`` runs without them, so there the
+    index breaks the graph as torch ships it); the options are restored when the call returns. A
+    graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo skips) then no
+    longer ends the graph at forward's return, which would hand the logits to the caller: the
+    caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).
     Scoped because it changes how Dynamo handles every graph break and PyTorch still ships it off:
     other compiled functions in the process trace as before."""
 
-    def __init__(self):
+    def __init__(self, capture: bool = True):
+        self._capture = capture
         self._patch = None
+        self._captured = None  # _SCOPE.captured before this scope set it
 
     def __enter__(self):
         from torch._dynamo import config as dynamo_config
@@ -108,18 +118,87 @@ class DynamoScope:
         changes = {}
         if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
             changes["nested_graph_breaks"] = True
-        if config.capture_dynamic_output_shapes() and not dynamo_config.capture_dynamic_output_shape_ops:
+        capture = self._capture and config.capture_dynamic_output_shapes()
+        if capture and not dynamo_config.capture_dynamic_output_shape_ops:
             changes["capture_dynamic_output_shape_ops"] = True
         if changes:
             self._patch = dynamo_config.patch(**changes)
             self._patch.__enter__()
+        if "capture_dynamic_output_shape_ops" in changes:
+            retry_without_capture()
+            self._captured, _SCOPE.captured = getattr(_SCOPE, "captured", False), True
         return self
 
     def __exit__(self, *exc) -> bool:
         patch, self._patch = self._patch, None
+        if self._captured is not None:
+            _SCOPE.captured, self._captured = self._captured, None
         if patch is not None:
             patch.__exit__(*exc)
         return False
+
+
+RETRIED = "frames_traced_without_capture"  # counters["inductor_xent"] key: retry_without_capture's retries
+_SCOPE = threading.local()  # .captured: a DynamoScope of this thread turned the capture on
+
+
+def _data_dependent(error: BaseException) -> bool:
+    """Whether ``error`` or one of its causes is a guard on a data-dependent size (Dynamo's tracer and
+    the backends wrap it)."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, GuardOnDataDependentSymNode):
+            return True
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def retry_without_capture() -> bool:
+    """Let a frame that the capture cannot trace compile as without it. Where a ``DynamoScope`` turned
+    ``capture_dynamic_output_shape_ops`` on, code that branches on the truth of a boolean-indexed size
+    (``z = x[m]; if z.shape[0]:``) makes Dynamo raise ``GuardOnDataDependentSymNode``, a hard error where
+    it would otherwise break the graph at the indexing. This wraps Dynamo's per-frame conversion
+    (``torch._dynamo.convert_frame._compile``, private, in 2.11 and 2.13 alike) once: on that error, in
+    a frame traced under our scope's capture only, the frame is converted again with the option off
+    (the frames resumed after its graph breaks are traced as usual, under the scope). Every other
+    frame and error is as before. Returns whether the hook is in place."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo import convert_frame
+    from torch._dynamo.utils import counters
+
+    original = getattr(convert_frame, "_compile", None)
+    if original is None:
+        return False
+    if getattr(original, "_inductor_xent_hook", False):
+        return True
+
+    @functools.wraps(original)
+    def _compile(*args, **kwargs):
+        if not getattr(_SCOPE, "captured", False) or not dynamo_config.capture_dynamic_output_shape_ops:
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 (re-raised unless it is the capture's)
+            if not _data_dependent(error):
+                raise
+            code = args[0] if args else kwargs.get("code")
+            counters["inductor_xent"][RETRIED] += 1
+            log.info("inductor_xent: %s guards on a data-dependent size under capture_dynamic_output_shape_ops; "
+                     "traced again without it (INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES)",
+                     getattr(code, "co_name", code))
+        _SCOPE.captured = False
+        try:
+            with dynamo_config.patch(capture_dynamic_output_shape_ops=False):
+                return original(*args, **kwargs)
+        finally:
+            _SCOPE.captured = True
+
+    _compile._inductor_xent_hook = True
+    convert_frame._compile = _compile
+    return True
 
 
 def honour_backend_ctx() -> bool:
@@ -146,7 +225,9 @@ def honour_backend_ctx() -> bool:
         ours = getattr(compiler_fn, "compiler_fn", compiler_fn)  # torch.compile's wrapper, or the backend
         ctor = getattr(ours, "backend_ctx_ctor", None)
         if getattr(ours, "_inductor_xent_backend", False) and ctor is not None:
-            result.backend_ctx_ctor = ctor
+            kwargs = getattr(compiler_fn, "kwargs", {})
+            cudagraphs = _cudagraphs(kwargs.get("mode"), kwargs.get("options") or {})
+            result.backend_ctx_ctor = functools.partial(ctor, capture=False) if cudagraphs else ctor
         return result
 
     get_compiler_fn.__wrapped__ = original
@@ -154,3 +235,14 @@ def honour_backend_ctx() -> bool:
     get_compiler_fn._inductor_xent_hook = True
     eval_frame.get_compiler_fn = get_compiler_fn
     return True
+
+
+def _cudagraphs(mode, options: dict) -> bool:
+    """Whether ``torch.compile(mode=mode, options=options)`` runs Inductor's graphs as CUDA graphs."""
+    from torch._inductor import config as inductor_config
+
+    try:
+        patches = compat.list_mode_options(mode)
+    except Exception:  # noqa: BLE001 (a bad mode is torch.compile's error to raise, later)
+        patches = {}
+    return bool({**patches, **options}.get("triton.cudagraphs", inductor_config.triton.cudagraphs))

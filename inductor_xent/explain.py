@@ -29,9 +29,16 @@ LOSS_TYPE_HINT = (
 )
 CAPTURE_HINT = (
     "Dynamo broke the graph at an operator whose output shape depends on the data (a boolean-mask index, "
-    "as TRL's GKD loss masks its jsd): a divergence or logits before it leave the graph whole; set "
-    "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1 to keep it in the graph, where the pass reads "
-    "x[mask].sum() as a masked sum"
+    "as TRL's GKD loss masks its jsd): a divergence or logits before it leave the graph whole; "
+)
+CAPTURE_OFF = (
+    "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0 is set: unset it to keep such an index in the graph, where "
+    "the pass reads x[mask].sum() as a masked sum"
+)
+CAPTURE_RETRIED = (
+    "the frame was traced without keeping it in the graph because code in it branches on the truth of "
+    "such a size (if z.shape[0]: after z = x[mask]), which Dynamo cannot trace with the index in the graph; "
+    "compare the size instead (if z.shape[0] > 0:)"
 )
 NESTED_HINT = (
     "Dynamo graph-breaks inside the model's forward ({}), so the forward's last graph ends at its return "
@@ -55,6 +62,7 @@ class Report:
     graph_count: int = 0
     graph_break_count: int = 0
     graph_break_reasons: list[str] = field(default_factory=list)  # the first line of each distinct one
+    capture_retried: bool = False  # a frame was traced again without capture_dynamic_output_shape_ops
 
     @property
     def fused_count(self) -> int:
@@ -94,7 +102,10 @@ class Report:
             lines.append("  no lm_head matmul -> cross-entropy site found")
         if self.graph_break_count and not self.sites and any(
                 "Dynamic shape operator" in r for r in self.graph_break_reasons):
-            lines.append("note: " + CAPTURE_HINT + ".")
+            from . import config
+
+            if self.capture_retried or not config.capture_dynamic_output_shapes():
+                lines.append("note: " + CAPTURE_HINT + (CAPTURE_RETRIED if self.capture_retried else CAPTURE_OFF) + ".")
         if self.logits_escape:
             lines.append("note: " + ESCAPE_HINT + ".")
         return "\n".join(lines)
@@ -131,12 +142,14 @@ def explain(fn, *args, **kwargs) -> Report:
     dynamo_tuning.tune_dynamo()
     torch._dynamo.reset()
     before = dict(counters["graph_break"])
+    retried = counters["inductor_xent"][dynamo_tuning.RETRIED]
     try:
         with torch._dynamo.config.patch(suppress_errors=False), dynamo_tuning.DynamoScope():  # as the backend traces
             torch.compile(fn, backend=recording_backend)(*args, **kwargs)
         new = {k: v - before.get(k, 0) for k, v in counters["graph_break"].items() if v > before.get(k, 0)}
         report.graph_break_count = sum(new.values())
         report.graph_break_reasons = [_first_line(k) for k in new]
+        report.capture_retried = counters["inductor_xent"][dynamo_tuning.RETRIED] > retried
         report.sites = [dataclasses.replace(s, reason=_with_break_hint(s, report, new)) for s in report.sites]
     finally:
         torch._dynamo.reset()

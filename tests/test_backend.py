@@ -551,38 +551,82 @@ def _masked_kd(hs, ws, ht, wt, y):
 
 def test_dynamic_output_shapes_captured_in_our_compiled_calls(untuned_dynamo, monkeypatch):
     """A boolean-mask indexing breaks Dynamo's graph as torch ships it (the ``[N, V]`` divergence then
-    leaves the first graph: no site), and by default in ours too, explain naming the setting; with
-    ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1`` it stays in the graph inside our compiled calls (and
-    explain) and the site fuses, with eager's loss; the option is back to False after the call."""
+    leaves the first graph: no site). Inside our compiled calls (and explain) it stays in the graph by
+    default and the site fuses, with eager's loss, the option back to False after the call; with
+    ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` the graph breaks there and explain says to unset it."""
     g = torch.Generator().manual_seed(5)
     y = torch.randint(0, 64, (2, 8), generator=g)
     y[:, :3] = -100
     ins = dict(hs=torch.randn(2, 8, 16, generator=g, requires_grad=True), ws=torch.randn(64, 16, generator=g),
                ht=torch.randn(2, 8, 16, generator=g), wt=torch.randn(64, 16, generator=g), y=y)
     report = inductor_xent.explain(_masked_kd, **ins)
-    assert report.fused_count == 0 and report.graph_break_count == 1, str(report)
-    assert "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1" in str(report), str(report)
-    monkeypatch.setenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", "1")
-    torch._dynamo.reset()
-    report = inductor_xent.explain(_masked_kd, **ins)
     assert report.fused_count == 1 and report.graph_break_count == 0, str(report)
     out = torch.compile(_masked_kd, backend="inductor_xent", options={"xent.inner": "aot_eager"})(**ins)
     torch.testing.assert_close(out, _masked_kd(**ins))
     assert counters["inductor_xent"]["fused.distillation"] >= 1
     assert untuned_dynamo.capture_dynamic_output_shape_ops is False
+    monkeypatch.setenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", "0")
+    torch._dynamo.reset()
+    report = inductor_xent.explain(_masked_kd, **ins)
+    assert report.fused_count == 0 and report.graph_break_count == 1, str(report)
+    assert "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0 is set: unset it" in str(report), str(report)
+
+
+def _branches_on_size(x, y):
+    z = x[y > 0]
+    return z.sum() if z.shape[0] else x.sum()
 
 
 def test_data_dependent_branches_compile_by_default(untuned_dynamo):
-    """Code that branches on the truth of a boolean-indexed size traces as with backend="inductor" (a
-    graph break): with capture_dynamic_output_shape_ops on, Dynamo raises GuardOnDataDependentSymNode
-    there instead, which is why the capture is opt-in."""
-    def f(x, y):
-        z = x[y > 0]
-        return z.sum() if z.shape[0] else x.sum()
-
+    """Code that branches on the truth of a boolean-indexed size, which Dynamo cannot trace with the
+    index in the graph (``GuardOnDataDependentSymNode`` under capture_dynamic_output_shape_ops, a hard
+    error), compiles as with backend="inductor": the frame is traced again without the capture (a
+    graph break at the index), counted; other frames keep it. An empty mask takes the other branch."""
+    compiled = torch.compile(_branches_on_size, backend="inductor_xent", options={"xent.inner": "aot_eager"})
     x, y = torch.randn(8, 4), torch.randn(8)
-    torch.testing.assert_close(torch.compile(f, backend="inductor_xent", options={"xent.inner": "aot_eager"})(x, y),
-                               f(x, y))
+    torch.testing.assert_close(compiled(x, y), _branches_on_size(x, y))
+    assert counters["inductor_xent"]["frames_traced_without_capture"] == 1
+    torch.testing.assert_close(compiled(x, -y.abs() - 1), x.sum())
+    assert untuned_dynamo.capture_dynamic_output_shape_ops is False
+    with pytest.raises(Exception, match="data-dependent"):  # the error the retry answers, as torch ships it
+        with untuned_dynamo.patch(capture_dynamic_output_shape_ops=True):
+            torch.compile(_branches_on_size, backend="aot_eager")(x, y)
+
+
+@pytest.mark.parametrize("compile_kwargs", [{"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}],
+                         ids=["reduce_overhead", "cudagraphs_option"])
+def test_no_capture_where_cuda_graphs_run(untuned_dynamo, compile_kwargs):
+    """A graph holding a boolean index's nonzero runs without CUDA graphs: where the compile asks for
+    them, the index breaks the graph as torch ships it (two graphs), elsewhere it stays in (one)."""
+    def f(x, m):
+        return x[m].sum() * 2
+
+    x = torch.randn(8, 4)
+    for kwargs, graphs in ((compile_kwargs, 2), ({}, 1)):
+        torch._dynamo.reset()
+        counters.clear()
+        if "mode" not in kwargs:  # (torch.compile takes a mode or options)
+            kwargs = dict(kwargs, options={"xent.inner": "aot_eager", **kwargs.get("options", {})})
+        out = torch.compile(f, backend="inductor_xent", **kwargs)(x, x[:, 0] > 0)
+        torch.testing.assert_close(out, f(x, x[:, 0] > 0))
+        assert counters["stats"]["unique_graphs"] == graphs, (kwargs, dict(counters["stats"]))
+
+
+def test_explain_names_the_branch_that_kept_the_index_out(untuned_dynamo):
+    """The retried frame's graph break is explained by the branch, not by the setting."""
+    def loss(hs, ws, ht, wt, y):
+        kl = F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.log_softmax(F.linear(ht, wt), -1),
+                      reduction="none", log_target=True)
+        kept = kl[y != -100]
+        return kept.sum() / kept.shape[0] if kept.shape[0] else kl.sum() * 0
+
+    g = torch.Generator().manual_seed(6)
+    y = torch.randint(0, 64, (2, 8), generator=g)
+    report = inductor_xent.explain(loss, torch.randn(2, 8, 16, generator=g), torch.randn(64, 16, generator=g),
+                                   torch.randn(2, 8, 16, generator=g), torch.randn(64, 16, generator=g), y)
+    assert report.capture_retried and report.fused_count == 0, str(report)
+    assert "branches on the truth of such a size" in str(report), str(report)
+    assert "is set: unset it" not in str(report), str(report)
 
 
 _FIRST_COMPILE = """

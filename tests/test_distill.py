@@ -715,15 +715,10 @@ FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_ro
          "kl_none_mean": _kl_none_mean}
 
 
-# spellings that index the divergence by a boolean mask (TRL's): in the graph only with the capture on
-NEEDS_CAPTURE = {"trl116_gjsd", "trl116_gjsd_beta0", "trl116_gjsd_beta1_sum", "trl116_gjsd_mean"}
-CAPTURE = "INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES"
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
-def test_spelling_fuses_with_eager_values_and_gradients(name, monkeypatch):
-    if name in NEEDS_CAPTURE:
-        monkeypatch.setenv(CAPTURE, "1")
+def test_spelling_fuses_with_eager_values_and_gradients(name):
     fn = FUSED[name]
     ins = _inputs()
     report = inductor_xent.explain(fn, **ins)
@@ -822,8 +817,7 @@ def test_compiles_through_inductor():
         torch.testing.assert_close(gc[k], ge[k], rtol=1e-4, atol=1e-6)
 
 
-def test_declines_say_why(monkeypatch):
-    monkeypatch.setenv(CAPTURE, "1")  # masked_mean_with_labels indexes by a boolean mask
+def test_declines_say_why():
     # the student's tensors train (a cross-entropy without gradient declines only where the divergence has one)
     ins = {k: v.requires_grad_(k in ("hs", "ws")) if v.is_floating_point() else v for k, v in _inputs().items()}
 
@@ -885,10 +879,9 @@ def test_declines_say_why(monkeypatch):
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
 
 
-def test_labels_written_after_their_mask_decline_the_mix(monkeypatch):
+def test_labels_written_after_their_mask_decline_the_mix():
     """The CE mix masks the divergence by the CE's labels: a write to them after the mask was taken
     (before the heads) would mask other rows than the user's, so the mix declines and says why."""
-    monkeypatch.setenv(CAPTURE, "1")
 
     def fn(hs, ws, ht, wt, y, **_):
         m = y != -100
@@ -904,10 +897,9 @@ def test_labels_written_after_their_mask_decline_the_mix(monkeypatch):
     assert_parity(fn, ins, Recorder(), what="labels written")
 
 
-def test_masked_mean_of_no_rows_is_nan_with_zero_gradients(monkeypatch):
+def test_masked_mean_of_no_rows_is_nan_with_zero_gradients():
     """``jsd[mask].mean()`` with every label ignored: eager's NaN loss and zero gradients (nothing was
     indexed), not NaN gradients from 0 / 0."""
-    monkeypatch.setenv(CAPTURE, "1")
     ins = {k: v.requires_grad_(k in ("hs", "ws")) for k, v in _inputs().items()}
     ins["y"][:] = -100
     from torch._dynamo.utils import counters
@@ -925,7 +917,6 @@ def test_masked_mean_of_no_rows_is_nan_with_zero_gradients(monkeypatch):
 def test_heads_over_boolean_masked_rows(reduction, strategy, monkeypatch):
     """Both heads over ``hidden[mask]`` (a row count known only at run time, under the capture): the op's
     backward must not branch on it (it raised GuardOnDataDependentSymNode); eager's values and grads."""
-    monkeypatch.setenv(CAPTURE, "1")
     monkeypatch.setenv("INDUCTOR_XENT_STRATEGY", strategy)
 
     def fn(hs, ws, ht, wt, y, **_):
@@ -1333,7 +1324,6 @@ def test_cuda_kept_dz_skips_ignored_rows(kind, budget, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("name", ["trl116_gjsd", "masked_kd_with_labels"])
 def test_cuda_masked_spellings_compiled(name, monkeypatch):
-    monkeypatch.setenv(CAPTURE, "1")
     """TRL 1.16's GKD loss (``jsd[mask]``) and a masked KD with the CE of the same labels, compiled
     through Inductor on the GPU in bf16: fused, the masked rows not computed (count-bounded GEMMs),
     eager's values and student gradients within torch's error of float64."""
@@ -1433,7 +1423,6 @@ def test_cuda_recompute_skips_ignored_rows(kind, monkeypatch):
 @pytest.mark.parametrize("name", ["log_target_masked", "trl_gjsd_masked_rows", "verl_masked_mean", "trl116_gjsd",
                                   "trl116_gjsd_mean", "masked_kd_with_labels"])
 def test_masked_sum_spelling_skips_the_masked_rows(name, keep_dz_on_cpu, monkeypatch):
-    monkeypatch.setenv(CAPTURE, "1")
     """Per-row divergences times a boolean row mask (cast or not): ``(rows * mask).sum() / mask.sum()``
     becomes one site of reduction ``sum``, a masked mean over each sequence a per-row site; either way
     the mask is the op's target, so the kept path computes the masked rows only (their GEMMs

@@ -172,12 +172,11 @@ def _gkd_trainer_losses(tmp_path, fused: bool, bf16: bool = True) -> tuple[list,
     return losses, student.lm_head.weight.detach().clone()
 
 
-def test_hf_trainer_gkd_distillation_compiled_loss(tmp_path, monkeypatch):
+def test_hf_trainer_gkd_distillation_compiled_loss(tmp_path):
     """TRL's GKD loss (spelled as its trainer spells it) compiled inside an HF Trainer's bf16 run: one
     distillation site per step's graph fuses, none declines (the label mask's boolean indexing stays
-    in the graph with INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1), and three steps train as the fp32 run does, at least as closely as eager bf16
+    in the graph: the capture is on by default), and three steps train as the fp32 run does, at least as closely as eager bf16
     (which rounds both heads' logits to bf16 before the divergence; ours keeps them in fp32)."""
-    monkeypatch.setenv("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", "1")
     fused, fused_w = _gkd_trainer_losses(tmp_path, fused=True)
     assert counters["inductor_xent"]["fused.distillation"] >= 1, dict(counters["inductor_xent"])
     assert counters["inductor_xent"]["sites_declined"] == 0, dict(counters["inductor_xent"])

@@ -26,6 +26,7 @@ from . import (
     _plan,
     _report,
     _rewrite,
+    _row_index,
     _shared,
     _unloop,
     argmax,
@@ -73,6 +74,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
     gm.meta[DONE] = True
     _fold_loops(gm, allow_escaping_logits, can_return)
     sites.extend(_distillation(gm, strategy, store_budget))
+    _row_index.commute(gm)
     candidates = _candidates(gm.graph)
     output = next(iter(gm.graph.find_nodes(op="output")), None)
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))

@@ -61,6 +61,25 @@ DUNDERS = {f"__{name.rstrip('_')}__": getattr(operator, name) for name in (
     "mod", "pow", "neg", "invert", "abs", "matmul")}
 
 
+_SYM_SIZE = (torch.ops.aten.sym_size.int,)
+_ASSERT_SCALAR = (torch.ops.aten._assert_scalar.default,)
+_COMPARISONS = (operator.ge, operator.le, operator.gt, operator.lt, operator.eq)
+
+
+def size_checks(size: Node) -> Optional[list]:
+    """When ``size`` is Dynamo's ``sym_size`` of a tensor of unbacked size (a boolean-mask indexing's,
+    under ``capture_dynamic_output_shape_ops``) read only by the range checks Dynamo adds (comparisons,
+    each asserted by ``_assert_scalar``): ``size`` and those nodes, which can go with the tensor.
+    Else None (not a size, or the count read elsewhere)."""
+    if not (size.op == "call_function" and size.target in _SYM_SIZE):
+        return None
+    checks = [u for u in size.users if u.op == "call_function" and u.target in _COMPARISONS]
+    if len(checks) != len(size.users) or not all(
+            all(a.op == "call_function" and a.target in _ASSERT_SCALAR for a in c.users) for c in checks):
+        return None
+    return [size, *checks, *(a for c in checks for a in c.users)]
+
+
 def is_call(node: Any, targets: tuple) -> bool:
     """True when ``node`` calls one of ``targets`` (functions, and method names as strings; an
     operator function also matches its dunder method: ``DUNDERS``)."""

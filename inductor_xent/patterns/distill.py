@@ -17,10 +17,10 @@ one it is fitted to, the teacher's; each ``log_softmax(z / T, -1)`` or a softmax
 * ``F.kl_div(..., reduction="none", log_target=...)`` summed whole (``.sum()``: TRL's
   ``generalized_jsd_loss`` at β = 0 or 1, then divided by the rows) or averaged (``.mean()``: kl_div's
   "mean"), or its rows under a boolean mask summed whole, ``x[mask].sum()`` (TRL 1.16 masks so; in the
-  graph under the backend's ``capture_dynamic_output_shape_ops``, which
-  ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=1`` sets): the masked sum above (``_bool_indexed``);
-  ``x[mask].mean()`` (TRL's ``reduction="mean"``) that sum over the kept rows'
-  elements (``masked_mean``);
+  graph under ``capture_dynamic_output_shape_ops``, which our compiled calls set unless
+  ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0``): the masked sum above (``_bool_indexed``);
+  ``x[mask].mean()`` (TRL's ``reduction="mean"``) that sum over the kept rows' elements
+  (``masked_mean``);
 * TRL's generalised JSD through the mixture (``generalized_jsd_loss``, 0 < β < 1)::
 
       m = torch.logsumexp(torch.stack([lq + torch.log(1 - beta), lp + torch.log(beta)]), dim=0)
@@ -60,7 +60,7 @@ from torch.fx import GraphModule, Node
 
 from .. import config, distill, ops
 from . import _logits, _mutation, _report, _steps, lm_head_cross_entropy
-from ._fx import Emitter, arg, hint, is_call, norm_dim, numel_hint, same, tval
+from ._fx import Emitter, arg, hint, is_call, norm_dim, numel_hint, same, size_checks, tval
 from ._site import Decline, Head, log_probs_of, probs_of
 
 PATTERN = "distillation"
@@ -193,11 +193,6 @@ def _bool_source(node) -> Optional[Node]:
     return node if isinstance(node, Node) and tval(node) is not None else None
 
 
-SYM_SIZE = (torch.ops.aten.sym_size.int,)
-ASSERT_SCALAR = (torch.ops.aten._assert_scalar.default,)
-COMPARISONS = (operator.ge, operator.le, operator.gt, operator.lt, operator.eq)
-
-
 def _bool_indexed(src: Node) -> tuple[Node, Optional[Node], tuple]:
     """``(x, mask, nodes)`` for ``src = x[mask]`` with ``mask`` a boolean tensor of ``x``'s row shape (TRL's
     ``jsd = jsd[labels != -100]`` before ``jsd.sum()``; Dynamo keeps it in the graph under
@@ -212,15 +207,12 @@ def _bool_indexed(src: Node) -> tuple[Node, Optional[Node], tuple]:
             or tuple(tm.shape) != tuple(tx.shape[:-1]):
         return src, None, ()
     nodes = [src]
-    for size in src.users:
-        if size.op == "call_function" and size.target in SYM_SIZE:
-            checks = [u for u in size.users if u.op == "call_function" and u.target in COMPARISONS]
-            if len(checks) != len(size.users) or not all(
-                    all(a.op == "call_function" and a.target in ASSERT_SCALAR for a in c.users) for c in checks):
-                return src, None, ()  # the count read elsewhere (a mean): not the whole sum alone
-            nodes += [size, *checks, *(a for c in checks for a in c.users)]
-        elif not (is_call(size, SUM) or is_call(size, MEAN)):
-            return src, None, ()
+    for user in src.users:
+        checks = size_checks(user)
+        if checks is not None:
+            nodes += checks
+        elif not (is_call(user, SUM) or is_call(user, MEAN)):
+            return src, None, ()  # another reader (the count read elsewhere: not the whole sum alone)
     return x, mask, tuple(nodes)
 
 
