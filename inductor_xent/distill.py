@@ -10,6 +10,8 @@ over the temperature), ``q = softmax(u_student)``, ``p = softmax(u_teacher)``:
 * ``reverse_kl``: ``KL(q ‖ p) = Σ q (log q − log p)``,
 * ``jsd``: ``β KL(p ‖ m) + (1 − β) KL(q ‖ m)``, ``m = β p + (1 − β) q`` (TRL's GKD and its limits:
   β → 0 is forward KL, β → 1 reverse KL; ``0 < β < 1`` here),
+* ``soft_ce``: the cross-entropy of the student against the teacher's probabilities, ``−Σ p log q``
+  (torchtune's ``ForwardKLLoss``: forward KL plus the teacher's entropy, the same student gradient),
 
 0 on rows whose ``target`` is ``ignore_index`` (when a target is given); reduced by ``reduction``:
 ``none`` (per row), ``sum``, ``mean`` (over the rows not ignored), ``batchmean`` (the sum over the
@@ -90,8 +92,8 @@ from .options import compute_dtype
 from .templates import rows as compaction
 from .templates.configs import KernelConfig
 
-Kind = Literal["forward_kl", "reverse_kl", "jsd"]
-KINDS = ("forward_kl", "reverse_kl", "jsd")
+Kind = Literal["forward_kl", "reverse_kl", "jsd", "soft_ce"]
+KINDS = ("forward_kl", "reverse_kl", "jsd", "soft_ce")
 REDUCTIONS = ("none", "sum", "mean", "batchmean")
 # fp32 tensors of a chunk's width alive at once (both heads' logits, log-probs, probabilities, du)
 CHUNK_TENSORS = 8
@@ -175,6 +177,8 @@ def _divergence(kind: str, beta: float, ls: Tensor, lt: Tensor, q: Tensor, p: Te
         return (p * (lt - ls)).sum(-1), None, None, None, None
     if kind == "reverse_kl":
         return (q * (ls - lt)).sum(-1), None, None, None, None
+    if kind == "soft_ce":
+        return -(p * ls).sum(-1), None, None, None, None
     gs, gt = _mixture_logs(beta, ls, lt)
     js_s, js_t = (q * gs).sum(-1), (p * gt).sum(-1)
     return beta * js_t + (1 - beta) * js_s, gs, gt, js_s, js_t
@@ -196,6 +200,11 @@ def _du(kind: str, beta: float, ls: Tensor, lt: Tensor, q: Tensor, p: Tensor, ro
             du_s = q * (ls - lt - rows[:, None])
         if grad_t:
             du_t = p - q
+    elif kind == "soft_ce":  # the student's as forward KL's; d/du_t of −Σ p·log q is −p (log q + rows)
+        if grad_s:
+            du_s = q - p
+        if grad_t:
+            du_t = -p * (ls + rows[:, None])
     else:  # d/dq of the divergence is (1 − β)(log q − log m), through the softmax; p's alike with β
         if grad_s:
             du_s = (1 - beta) * q * (gs - js_s[:, None])
@@ -963,7 +972,8 @@ def linear_distillation_loss(
         t = F.linear(teacher_hidden, teacher_weight, teacher_bias).float() / temperature
         # with student_softcap c (teacher_softcap alike): s = c * torch.tanh(F.linear(...).float() / c) / temperature
         rows = F.kl_div(s.log_softmax(-1), t.log_softmax(-1), log_target=True, reduction="none").sum(-1)
-        # (forward_kl; 0 where target == ignore_index), then reduced by ``reduction``
+        # (forward_kl; soft_ce: -(t.softmax(-1) * s.log_softmax(-1)).sum(-1); 0 where target ==
+        # ignore_index), then reduced by ``reduction``
 
     ``*_hidden`` are ``[..., D]`` with the same leading shape (``target`` too, when given); a head's
     hidden, weight and bias in one dtype, or inside ``torch.autocast``, which casts them as it casts

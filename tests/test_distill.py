@@ -49,6 +49,8 @@ def _reference(hs, ws, ht, wt, y, kind, beta, temperature, reduction, bs=None, c
         rows = F.kl_div(ls, lt, log_target=True, reduction="none").sum(-1)
     elif kind == "reverse_kl":
         rows = F.kl_div(lt, ls, log_target=True, reduction="none").sum(-1)
+    elif kind == "soft_ce":  # torchtune's ForwardKLLoss: the cross-entropy against the teacher's probabilities
+        rows = -(lt.exp() * ls).sum(-1)
     else:
         lm = torch.logsumexp(torch.stack([lt + math.log(beta), ls + math.log1p(-beta)]), 0)
         rows = beta * F.kl_div(lm, lt, log_target=True, reduction="none").sum(-1) \
@@ -701,6 +703,30 @@ def _masked_kd_with_labels(hs, ws, ht, wt, y, **_):
     return 0.5 * (rows * (y != -100).float()).sum() + 0.7 * F.cross_entropy(s.view(-1, s.size(-1)), y.view(-1))
 
 
+def _torchtune_fkl(student_logits, teacher_logits, labels, ignore_index=-100, normalize=True):
+    """torchtune's ``ForwardKLLoss.forward`` (torchtune/modules/loss/kd_losses.py), as it spells it."""
+    teacher_prob = F.softmax(teacher_logits, dim=-1, dtype=torch.float32)
+    inf_mask = torch.isinf(student_logits)
+    student_logprob = F.log_softmax(student_logits, dim=-1, dtype=torch.float32)
+    prod_probs = torch.masked_fill(teacher_prob * student_logprob, inf_mask, 0)
+    x = torch.sum(prod_probs, dim=-1).view(-1)
+    mask = (labels != ignore_index).int()
+    if not normalize:
+        return -torch.sum(x * mask.view(-1), dim=0)
+    if torch.sum(mask.view(-1), dim=0) == 0:
+        return torch.tensor(0.0, device=x.device)
+    return -torch.sum(x * mask.view(-1), dim=0) / torch.sum(mask.view(-1), dim=0)
+
+
+def _torchtune_kd(hs, ws, ht, wt, y, normalize=True, **_):
+    """torchtune's KD recipe: the teacher's forward under no_grad, ``ForwardKLLoss`` of both heads'
+    logits (the soft cross-entropy; normalized: a data-dependent branch, so a graph break before the
+    masked sum)."""
+    with torch.no_grad():
+        teacher_logits = F.linear(ht, wt)
+    return _torchtune_fkl(F.linear(hs, ws), teacher_logits, y, normalize=normalize)
+
+
 FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_rows": _reverse_rows,
          "both_trained": _both_trained, "hinton_with_labels": _hinton_with_labels,
          "labels_first_sum": _labels_first_sum, "trl_gjsd": _trl_gjsd,
@@ -712,7 +738,8 @@ FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_ro
          "trl116_gjsd": _trl116_gjsd, "trl116_gjsd_beta0": functools.partial(_trl116_gjsd, beta=0.0),
          "trl116_gjsd_beta1_sum": functools.partial(_trl116_gjsd, beta=1.0, sum_only=True),
          "masked_kd_with_labels": _masked_kd_with_labels, "trl116_gjsd_mean": functools.partial(_trl116_gjsd, mean=True),
-         "kl_none_mean": _kl_none_mean}
+         "kl_none_mean": _kl_none_mean, "torchtune_fkl": _torchtune_kd,
+         "torchtune_fkl_sum": functools.partial(_torchtune_kd, normalize=False)}
 
 
 
@@ -729,6 +756,51 @@ def test_spelling_fuses_with_eager_values_and_gradients(name):
     assert fused_ops(rec.after[0]) == 0  # the distillation op, not the cross-entropy ones
     assert ops.DISTILL_FORWARD in rec.after[0]
     assert not logits_sized(rec.graphs, rows=B * T), "no [N, V] tensor is left in the graph"
+
+
+def _torchtune_chunked_kd(hs, ws, ht, wt, y, chunks=2, **_):
+    """torchtune's ``ForwardKLWithChunkedOutputLoss`` over its models' chunked output (``[output(c) for c
+    in h.chunk(n, dim=1)]``): one ``ForwardKLLoss(normalize=False)`` per chunk, summed, over the labelled
+    count."""
+    student = [F.linear(c, ws) for c in hs.chunk(chunks, dim=1)]
+    with torch.no_grad():
+        teacher = [F.linear(c, wt) for c in ht.chunk(chunks, dim=1)]
+    mask = (y != -100).int()
+    labels = [c.reshape(-1) for c in y.chunk(chunks, dim=1)]
+    student = [c.reshape(-1, c.size(-1)) for c in student]
+    teacher = [c.reshape(-1, c.size(-1)) for c in teacher]
+    total = 0.0
+    for s_chunk, t_chunk, l_chunk in zip(student, teacher, labels):
+        total += _torchtune_fkl(s_chunk, t_chunk, l_chunk, normalize=False)
+    return total / torch.sum(mask.view(-1), dim=0)
+
+
+def test_torchtune_chunked_output_kd_fuses_each_chunk():
+    """torchtune's chunked KD loss: each chunk's soft cross-entropy one op (its masked sum), eager's
+    values and gradients, no [N, V] tensor left."""
+    ins = _inputs()
+    report = inductor_xent.explain(_torchtune_chunked_kd, **ins)
+    assert report.fused_count == len(report.sites) == 2, str(report)
+    assert all("soft cross-entropy" in s.reason and "reduction=sum" in s.reason for s in report.sites), str(report)
+    rec = Recorder()
+    assert_parity(_torchtune_chunked_kd, ins, rec, what="torchtune chunked")
+    assert not logits_sized(rec.graphs, rows=B * T // 2), "no [N, V] tensor is left in the graph"
+
+
+def test_isinf_mask_over_a_biased_student_declines():
+    """torchtune's ``masked_fill(·, isinf(student_logits), 0)`` reads as nothing only for a biasless
+    head (a bias may hold -inf, a masked vocabulary, whose columns eager's mask drops)."""
+    def fn(hs, ws, bs, ht, wt, y, **_):
+        return _torchtune_fkl(F.linear(hs, ws, bs), F.linear(ht, wt).detach(), y)
+
+    bias = torch.zeros(V)
+    bias[::5] = -math.inf
+    ins = dict(_inputs(), bs=bias)
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == 0 and "a bias may hold -inf" in str(report), str(report)
+    out = torch.compile(fn, backend="inductor_xent", options={"xent.inner": "aot_eager"})(**ins)
+    torch.testing.assert_close(out, fn(**ins))
+    assert torch.isfinite(out)
 
 
 @pytest.mark.parametrize("cap", [1.5, 49.0])

@@ -77,6 +77,8 @@ NEG = (operator.neg, torch.neg, "neg")
 NE = (operator.ne, torch.ne, "ne")
 STACK = (torch.stack,)
 LOGSUMEXP = (torch.logsumexp, "logsumexp")
+MASKED_FILL = (torch.masked_fill, "masked_fill")
+ISINF = (torch.isinf, "isinf")
 
 
 def run(gm: GraphModule, log, strategy: Optional[str] = None, store_budget=None) -> list:
@@ -164,6 +166,10 @@ def _match(node: Node) -> Union[dict, Decline, None]:
     if is_call(src, ADD):
         jsd = _match_mixture_jsd(src)
         return None if jsd is None else _masked_sum(dict(jsd, reduce="none", out=node, nodes=(node, *jsd["nodes"])))
+    soft = _match_soft_ce(src)
+    if soft is not None:
+        return Decline(PATTERN, node, soft) if isinstance(soft, str) else _masked_sum(
+            dict(soft, reduce="none", out=node, nodes=(node, *soft["nodes"])))
     if is_call(src, MUL) and len(src.args) == 2 and not src.kwargs:
         for prob, diff in (src.args, reversed(src.args)):
             if not (is_call(diff, SUB) and len(diff.args) == 2 and not diff.kwargs):
@@ -180,14 +186,44 @@ def _match(node: Node) -> Union[dict, Decline, None]:
     return None
 
 
+def _match_soft_ce(src: Node) -> Union[dict, str, None]:
+    """torchtune's ``ForwardKLLoss`` per row, ``(softmax(t) * log_softmax(s)).sum(-1)``, the student's
+    log-probabilities weighted by the teacher's probabilities (the negated soft cross-entropy: kind
+    ``soft_ce``, ``negate``), maybe through torchtune's ``masked_fill(·, isinf(s), 0)``: the product is
+    0 where the student's logit is infinite. A biasless matmul's logits are infinite only where its
+    inputs are (or overflow), and then eager's row is not finite either; a bias may hold ``-inf`` (a
+    masked vocabulary), so with one the spelling declines. Else None."""
+    nodes: tuple = ()
+    if is_call(src, MASKED_FILL) and len(src.args) == 3 and not src.kwargs and src.args[2] == 0 \
+            and is_call(src.args[1], ISINF) and len(src.args[1].args) == 1:
+        nodes, inf_of, src = (src, src.args[1]), src.args[1].args[0], src.args[0]
+    else:
+        inf_of = None
+    if not (is_call(src, MUL) and len(src.args) == 2 and not src.kwargs):
+        return None
+    for prob, logp in (src.args, reversed(src.args)):
+        pr, lq = probs_of(prob), log_probs_of(logp)
+        if pr is None or lq is None or pr.logits is lq.logits or (inf_of is not None and inf_of is not lq.logits):
+            continue
+        q, p = _head(lq), _head(pr)
+        if q is None or p is None:
+            return None
+        if inf_of is not None and not isinstance(q, Decline) and q.bias is not None:
+            return "an isinf mask over a biased head's logits (a bias may hold -inf)"
+        return dict(q=q, p=p, kind="soft_ce", negate=True, nodes=(*nodes, src, *lq.nodes, *pr.nodes))
+    return None
+
+
 # a boolean tensor as a 0/1 number: x.float(), x.to(dtype), x.type_as(y), ...
-CASTS = ("float", "half", "bfloat16", "double", "to", "type_as", "type")
+CASTS = ("float", "half", "bfloat16", "double", "to", "type_as", "type", "int", "long")
 
 
 def _bool_source(node) -> Optional[Node]:
-    """The boolean tensor that ``node`` is, or casts to a number, else None."""
-    while isinstance(node, Node) and tval(node) is not None and tval(node).dtype != torch.bool:
-        if node.op != "call_method" or node.target not in CASTS or not node.args:
+    """The boolean tensor that ``node`` is, or casts to a number, maybe reshaped (before or after the
+    cast: ``mask.int().view(-1)``), else None; its values in ``node``'s row-major order."""
+    while isinstance(node, Node) and tval(node) is not None and (tval(node).dtype != torch.bool
+                                                                 or is_call(node, _steps.VIEWS)):
+        if not node.args or not (is_call(node, _steps.VIEWS) or node.op == "call_method" and node.target in CASTS):
             return None
         node = node.args[0]
     return node if isinstance(node, Node) and tval(node) is not None else None
@@ -218,25 +254,44 @@ def _bool_indexed(src: Node) -> tuple[Node, Optional[Node], tuple]:
 
 def _masked_sum(f: dict) -> dict:
     """A per-row site whose rows are only used under a row mask, ``rows * mask`` (``mask`` boolean or
-    cast from one, the rows' shape): ``mask`` the rows that count, so the op can skip the others (its
-    rows there are 0, as the product's). Summed whole, ``(rows * mask).sum()`` (the GKD spelling's
-    numerator), the site becomes that sum (reduction ``sum``: the gradients formed in the forward);
-    otherwise (verl's ``masked_mean`` over a dim) the per-row site with the mask. Else ``f``."""
-    rows = f["out"]
-    mul = next(iter(rows.users)) if len(rows.users) == 1 else None
+    cast from one; the rows and the mask maybe each reshaped first, torchtune's ``x.view(-1) *
+    mask.view(-1)``, as long as the product does not broadcast: reshapes keep the row-major order, so
+    the flattened mask pairs with the flattened rows): ``mask`` the rows that count, so the op can skip
+    the others (its rows there are 0, as the product's). Summed whole, ``(rows * mask).sum()`` (the
+    GKD spelling's numerator; also ``sum(dim=0)`` of a 1-D product), the site becomes that sum
+    (reduction ``sum``: the gradients formed in the forward); otherwise (verl's ``masked_mean`` over a
+    dim) the per-row site with the mask. Else ``f``."""
+    viewed, views = f["out"], []
+    while len(viewed.users) == 1 and is_call(next(iter(viewed.users)), _steps.VIEWS):
+        viewed = next(iter(viewed.users))
+        views.append(viewed)
+    mul = next(iter(viewed.users)) if len(viewed.users) == 1 else None
     if mul is None or not is_call(mul, MUL) or len(mul.args) != 2 or mul.kwargs:
         return f
-    other = mul.args[1] if mul.args[0] is rows else mul.args[0]
+    other = mul.args[1] if mul.args[0] is viewed else mul.args[0]
     mask = _bool_source(other)
-    if mask is None or tval(mask).shape != tval(rows).shape:
+    if mask is None or tval(other).shape != tval(viewed).shape:
         return f
     total = next(iter(mul.users)) if len(mul.users) == 1 else None
-    if total is None or not (is_call(total, ("sum",)) or is_call(total, (torch.sum,))) or len(total.args) != 1 \
-            or total.kwargs:
+    if total is None or not _whole_sum(total):
         return dict(f, mask=mask, anchor=mul)  # the op goes where the mask exists: before the product
-    return dict(f, reduce="sum", out=total, inp=mul, mask=mask, nodes=(total, mul, *f["nodes"]))
+    return dict(f, reduce="sum", out=total, inp=mul, mask=mask, nodes=(total, mul, *views, *f["nodes"]))
 
 
+def _whole_sum(node: Node) -> bool:
+    """``x.sum()``, or a sum over every dim of ``x`` without keepdim or dtype (``torch.sum(x, dim=0)``
+    of a 1-D ``x``)."""
+    if not (is_call(node, ("sum",)) or is_call(node, (torch.sum,))) or not node.args:
+        return False
+    if len(node.args) == 1 and not node.kwargs:
+        return True
+    x, dim = node.args[0], arg(node, 1, "dim")
+    if set(node.kwargs) - {"dim"} or len(node.args) > 2 or tval(x) is None:
+        return False
+    dims = dim if isinstance(dim, (list, tuple)) else (dim,)
+    ndim = tval(x).dim()
+    return sorted(norm_dim(d, ndim) for d in dims if norm_dim(d, ndim) is not None) == list(range(ndim)) \
+        and len(dims) == ndim
 def _match_kl_none(kl: Node) -> Optional[dict]:
     inp, target = arg(kl, 0, "input"), arg(kl, 1, "target")
     lq = log_probs_of(inp)
@@ -494,6 +549,8 @@ def _check(f: dict) -> Optional[str]:
         return mix
     if others:
         return f"the logits have other users ({', '.join(others)})"
+    if mix is not None and f.get("negate"):
+        return "a hard-label cross-entropy added to the negated soft cross-entropy (not supported yet)"
     if mix is not None:
         f["mix"] = mix
     return None
@@ -572,6 +629,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
         # plain 0 / 0 here would send NaN back through the gradients the op formed
         mean = e.call(operator.truediv, value, e.method("clamp_min", count, 1))
         value = e.call(torch.where, e.call(operator.eq, count, 0), math.nan, mean)
+    if f.get("negate"):  # the spelling's value is the op's divergence negated (soft_ce: Σ p·log q)
+        value = e.call(operator.neg, value)
     if tval(value).dtype != tval(node).dtype:
         value = e.method("to", value, tval(node).dtype)
     node.replace_all_uses_with(value)
@@ -583,7 +642,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                 avoided += (numel_hint(t) or 0) * t.element_size()
             graph.erase_node(n)
     kept = _kept_dz(q, needs, budget)
-    what = "KL(p || q)" if kind == "forward_kl" else f"generalised JSD (beta={beta:g})"
+    what = {"forward_kl": "KL(p || q)", "soft_ce": "-(p · log q) summed (the soft cross-entropy, negated)"}.get(
+        kind, f"generalised JSD (beta={beta:g})")
     recompute = distill.recomputes(needs, budget)
     how = "gradients in the forward" if reduce != "none" else "recompute"
     if recompute:
