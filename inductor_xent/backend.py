@@ -97,9 +97,10 @@ def inductor_xent(gm, example_inputs, *, mode: Optional[str] = None, options: Op
     dynamo_tuning.tune_dynamo()  # for the frames Dynamo traces from now on
     ours, theirs = split_options(options)
     patches = config_patches(mode, theirs)  # validates Inductor's keys whichever inner compiler runs
-    if ours["enable"]:
-        patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"], strategy=ours["strategy"],
-                     store_budget=ours["store_budget"], can_return=True)
+    with dynamo_tuning.captured_pass(gm):  # a graph the capture did not help: traced again without it
+        if ours["enable"]:
+            patterns.run(gm, allow_escaping_logits=ours["allow_escaping_logits"], strategy=ours["strategy"],
+                         store_budget=ours["store_budget"], can_return=True)
     if ours["inner"] == "aot_eager":
         return escape.wrap(gm, compat.aot_eager(gm, example_inputs))
     return escape.wrap(gm, compat.compile_fx(gm, example_inputs, patches))

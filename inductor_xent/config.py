@@ -148,9 +148,10 @@ def capture_dynamic_output_shapes() -> bool:
     ``torch._dynamo.config.capture_dynamic_output_shape_ops = True``, restored when the call returns
     (``dynamo_tuning.DynamoScope``): a boolean-mask indexing (TRL's ``jsd[labels != -100]`` before the
     sum, ``logits[mask].argmax(-1)`` for an accuracy) stays in the graph instead of breaking it between
-    the heads and the loss. A frame that branches on the truth of such a size (``if z.shape[0]:`` after
-    ``z = x[mask]``), which Dynamo cannot trace so, is traced again without it
-    (``dynamo_tuning.retry_without_capture``). ``0`` leaves Dynamo's option as it is (off unless set)."""
+    the heads and the loss. A frame where no fused site reads such an index, or that Dynamo cannot
+    trace or compile so (``if z.shape[0]:`` after ``z = x[mask]``), is traced again without it
+    (``dynamo_tuning.retry_without_capture``), as is a compile that runs CUDA graphs. ``0`` leaves
+    Dynamo's option as it is (off unless set)."""
     return _switch("INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES", True)
 
 

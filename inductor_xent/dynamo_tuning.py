@@ -22,11 +22,15 @@ things, and nothing else:
   boolean-mask indexing (TRL's GKD loss, ``jsd[labels != -100]`` before ``jsd.sum()``; an accuracy's
   ``logits[mask].argmax(-1)``) stays in the graph, where the pass reads it (a masked sum; the mask
   moved after the head), instead of breaking the graph and returning the ``[N, V]`` tensor.
-* ``retry_without_capture()``: with the capture on, Dynamo fails on code that branches on the truth
-  of such a size (``if z.shape[0]:``), where it would otherwise break the graph. This wraps Dynamo's
-  frame conversion once (when a scope first turns the capture on) so that such a frame is traced
-  again without the capture, as ``backend="inductor"`` traces it; counted in
-  ``counters["inductor_xent"]["frames_traced_without_capture"]``.
+* ``retry_without_capture()``: wraps Dynamo's frame conversion once (when a scope first turns the
+  capture on) so that a frame traced under it is traced again without it, as ``backend="inductor"``
+  traces it (the index breaks the graph): where Dynamo fails on code that branches on the truth of
+  such a size (``if z.shape[0]:``), where compiling the graph fails (AOTAutograd and Inductor have
+  bugs with such sizes), and where no fused site used the capture (``captured_pass``: the backend
+  raises ``CaptureUnused``), so the capture changes only the graphs that fuse thanks to it. Counted in
+  ``counters["inductor_xent"]["frames_traced_without_capture"]`` (a failure) and
+  ``["frames_traced_without_unused_capture"]``. A compile that runs CUDA graphs (``mode="reduce-overhead"``,
+  ``triton.cudagraphs``, read at each call) traces without the capture.
 * ``honour_backend_ctx()``: wraps ``torch._dynamo.eval_frame.get_compiler_fn`` once (when backend.py
   is imported) so that ``torch.compile(..., backend=<ours>)`` enters our ``backend_ctx_ctor`` (the
   ``DynamoScope``) as ``torch._dynamo.optimize(<ours>)`` does; torch.compile's backend wrapper hides
@@ -41,10 +45,12 @@ difference is ``compat.loggable_function``.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import sys
 import threading
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -107,10 +113,10 @@ class DynamoScope:
     Scoped because it changes how Dynamo handles every graph break and PyTorch still ships it off:
     other compiled functions in the process trace as before."""
 
-    def __init__(self, capture: bool = True):
-        self._capture = capture
+    def __init__(self, mode: Optional[str] = None, options: Optional[dict] = None):
+        self._compile_kwargs = (mode, options or {})  # torch.compile's, read at each call (_cudagraphs)
         self._patch = None
-        self._captured = None  # _SCOPE.captured before this scope set it
+        self._captured = None  # _SCOPE.captured before this scope changed it
 
     def __enter__(self):
         from torch._dynamo import config as dynamo_config
@@ -118,15 +124,18 @@ class DynamoScope:
         changes = {}
         if config.nested_graph_breaks() and not dynamo_config.nested_graph_breaks:
             changes["nested_graph_breaks"] = True
-        capture = self._capture and config.capture_dynamic_output_shapes()
-        if capture and not dynamo_config.capture_dynamic_output_shape_ops:
-            changes["capture_dynamic_output_shape_ops"] = True
+        outer = getattr(_SCOPE, "captured", False)
+        if config.capture_dynamic_output_shapes() and not _cudagraphs(*self._compile_kwargs):
+            if not dynamo_config.capture_dynamic_output_shape_ops:
+                changes["capture_dynamic_output_shape_ops"] = True
+        elif outer and dynamo_config.capture_dynamic_output_shape_ops:
+            changes["capture_dynamic_output_shape_ops"] = False  # an outer scope's, not for CUDA graphs
         if changes:
             self._patch = dynamo_config.patch(**changes)
             self._patch.__enter__()
         if "capture_dynamic_output_shape_ops" in changes:
             retry_without_capture()
-            self._captured, _SCOPE.captured = getattr(_SCOPE, "captured", False), True
+            self._captured, _SCOPE.captured = outer, changes["capture_dynamic_output_shape_ops"]
         return self
 
     def __exit__(self, *exc) -> bool:
@@ -138,33 +147,74 @@ class DynamoScope:
         return False
 
 
-RETRIED = "frames_traced_without_capture"  # counters["inductor_xent"] key: retry_without_capture's retries
+RETRIED = "frames_traced_without_capture"  # counters["inductor_xent"]: retried on a data-dependent guard
+UNUSED = "frames_traced_without_unused_capture"  # retried because no site used the capture
+USED = "inductor_xent_capture_used"  # gm.meta key: the pass fused a site that the capture kept in the graph
 _SCOPE = threading.local()  # .captured: a DynamoScope of this thread turned the capture on
 
 
-def _data_dependent(error: BaseException) -> bool:
-    """Whether ``error`` or one of its causes is a guard on a data-dependent size (Dynamo's tracer and
-    the backends wrap it)."""
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+class CaptureUnused(RuntimeError):
+    """Raised by the backend (``require_capture_used``) for a graph that holds sizes known only at run
+    time, kept in by our scope's capture, where no site used them: the frame is traced again without
+    the capture (``retry_without_capture``), as torch ships Dynamo."""
 
+
+def _caused_by(error: BaseException, kinds: tuple) -> Optional[BaseException]:
+    """The first of ``error`` and its causes that is one of ``kinds``, or None."""
     seen = set()
     while error is not None and id(error) not in seen:
-        if isinstance(error, GuardOnDataDependentSymNode):
-            return True
+        if isinstance(error, kinds):
+            return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return False
+    return None
+
+
+@contextlib.contextmanager
+def captured_pass(gm):
+    """Around our pass on ``gm``: afterwards ``require_capture_used(gm)``; where that raises, the
+    pass's counts (``counters["inductor_xent"]``) are undone first, since the frame is traced again."""
+    from torch._dynamo.utils import counters
+
+    before = Counter(counters["inductor_xent"])
+    yield
+    try:
+        require_capture_used(gm)
+    except CaptureUnused:
+        mine = counters["inductor_xent"]
+        mine.clear()
+        mine.update(before)
+        raise
+
+
+def require_capture_used(gm) -> None:
+    """Raise ``CaptureUnused`` when our scope's capture is on, ``gm`` (a Dynamo graph after the pass)
+    holds a value of a size known only at run time (a boolean index's rows, ``nonzero``) and no site
+    the pass fused needed it (``gm.meta[USED]``, set where the pass read a boolean index: a masked sum,
+    a head over masked logits). Elsewhere the index then breaks the graph as torch ships Dynamo, so
+    the capture changes nothing but the graphs that fuse thanks to it."""
+    from torch._dynamo import config as dynamo_config
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    if not getattr(_SCOPE, "captured", False) or not dynamo_config.capture_dynamic_output_shape_ops \
+            or gm.meta.get(USED):
+        return
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value")
+        if value is not None and free_unbacked_symbols(value):
+            raise CaptureUnused(f"{node.name} has a size known only at run time and no fused site needs it")
 
 
 def retry_without_capture() -> bool:
-    """Let a frame that the capture cannot trace compile as without it. Where a ``DynamoScope`` turned
-    ``capture_dynamic_output_shape_ops`` on, code that branches on the truth of a boolean-indexed size
-    (``z = x[m]; if z.shape[0]:``) makes Dynamo raise ``GuardOnDataDependentSymNode``, a hard error where
-    it would otherwise break the graph at the indexing. This wraps Dynamo's per-frame conversion
-    (``torch._dynamo.convert_frame._compile``, private, in 2.11 and 2.13 alike) once: on that error, in
-    a frame traced under our scope's capture only, the frame is converted again with the option off
-    (the frames resumed after its graph breaks are traced as usual, under the scope). Every other
-    frame and error is as before. Returns whether the hook is in place."""
+    """Let a frame that the capture cannot help compile as without it. This wraps Dynamo's per-frame
+    conversion (``torch._dynamo.convert_frame._compile``, private, in 2.11 and 2.13 alike) once: in a
+    frame traced under our scope's capture only, on ``GuardOnDataDependentSymNode`` (code that
+    branches on the truth of a boolean-indexed size, ``z = x[m]; if z.shape[0]:``, a hard error where
+    Dynamo would otherwise break the graph), a failed compile of the graph (``BackendCompilerFailed``,
+    ``TorchRuntimeError``: AOTAutograd rejects some in-place writes around such sizes) or
+    ``CaptureUnused`` (no fused site used it), the frame is converted again with the option off; the
+    frames resumed after its graph breaks are traced as usual, under the scope. If the second attempt
+    fails, its error is the user's, as without the capture. Returns whether the hook is in place."""
     from torch._dynamo import config as dynamo_config
     from torch._dynamo import convert_frame
     from torch._dynamo.utils import counters
@@ -175,20 +225,25 @@ def retry_without_capture() -> bool:
     if getattr(original, "_inductor_xent_hook", False):
         return True
 
+    from torch._dynamo.exc import BackendCompilerFailed, TorchRuntimeError
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
     @functools.wraps(original)
     def _compile(*args, **kwargs):
         if not getattr(_SCOPE, "captured", False) or not dynamo_config.capture_dynamic_output_shape_ops:
             return original(*args, **kwargs)
         try:
             return original(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 (re-raised unless it is the capture's)
-            if not _data_dependent(error):
+        except Exception as error:  # noqa: BLE001 (re-raised unless the capture may be its cause)
+            cause = _caused_by(error, (GuardOnDataDependentSymNode, CaptureUnused, BackendCompilerFailed,
+                                       TorchRuntimeError))
+            if cause is None:
                 raise
+            key = UNUSED if isinstance(cause, CaptureUnused) or _caused_by(error, (CaptureUnused,)) else RETRIED
             code = args[0] if args else kwargs.get("code")
-            counters["inductor_xent"][RETRIED] += 1
-            log.info("inductor_xent: %s guards on a data-dependent size under capture_dynamic_output_shape_ops; "
-                     "traced again without it (INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES)",
-                     getattr(code, "co_name", code))
+            counters["inductor_xent"][key] += 1
+            log.info("inductor_xent: %s traced again without capture_dynamic_output_shape_ops (%s)",
+                     getattr(code, "co_name", code), f"{type(cause).__name__}: {cause}"[:300])
         _SCOPE.captured = False
         try:
             with dynamo_config.patch(capture_dynamic_output_shape_ops=False):
@@ -226,8 +281,7 @@ def honour_backend_ctx() -> bool:
         ctor = getattr(ours, "backend_ctx_ctor", None)
         if getattr(ours, "_inductor_xent_backend", False) and ctor is not None:
             kwargs = getattr(compiler_fn, "kwargs", {})
-            cudagraphs = _cudagraphs(kwargs.get("mode"), kwargs.get("options") or {})
-            result.backend_ctx_ctor = functools.partial(ctor, capture=False) if cudagraphs else ctor
+            result.backend_ctx_ctor = functools.partial(ctor, kwargs.get("mode"), kwargs.get("options"))
         return result
 
     get_compiler_fn.__wrapped__ = original
@@ -238,7 +292,8 @@ def honour_backend_ctx() -> bool:
 
 
 def _cudagraphs(mode, options: dict) -> bool:
-    """Whether ``torch.compile(mode=mode, options=options)`` runs Inductor's graphs as CUDA graphs."""
+    """Whether ``torch.compile(mode=mode, options=options)`` runs Inductor's graphs as CUDA graphs (with
+    Inductor's configuration as it is now: each call reads it)."""
     from torch._inductor import config as inductor_config
 
     try:

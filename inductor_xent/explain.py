@@ -40,6 +40,10 @@ CAPTURE_RETRIED = (
     "such a size (if z.shape[0]: after z = x[mask]), which Dynamo cannot trace with the index in the graph; "
     "compare the size instead (if z.shape[0] > 0:)"
 )
+CAPTURE_DROPPED = (
+    " (seen with Dynamo's capture_dynamic_output_shape_ops, which keeps a boolean index in the graph; as no "
+    "site used it, the frame was traced again without it)"
+)
 NESTED_HINT = (
     "Dynamo graph-breaks inside the model's forward ({}), so the forward's last graph ends at its return "
     "and hands the whole output, logits included, to the caller: remove that break{}"
@@ -131,10 +135,19 @@ def explain(fn, *args, **kwargs) -> Report:
     fn = getattr(fn, "_orig_mod", fn)  # a torch.compile'd module: explain the module itself
     fn = getattr(fn, "_torchdynamo_orig_callable", fn)  # a torch.compile'd function
     report = Report()
+    uncaptured: list = []  # declined sites of graphs traced again without the capture
 
     def recording_backend(gm, example_inputs):
+        sites = []
+        try:
+            with dynamo_tuning.captured_pass(gm):  # as the backend: a graph the capture did not help is traced again
+                sites = patterns.run(gm, can_return=True)
+        except dynamo_tuning.CaptureUnused:
+            # a site the capture let the pass see declined (a masked sum it cannot fuse): say why, once
+            uncaptured.extend(dataclasses.replace(s, reason=s.reason + CAPTURE_DROPPED) for s in sites if not s.fused)
+            raise
         report.graph_count += 1
-        report.sites.extend(patterns.run(gm, can_return=True))
+        report.sites.extend(sites)
         return escape.wrap(gm, gm.forward)
 
     from torch._dynamo.utils import counters
@@ -151,6 +164,8 @@ def explain(fn, *args, **kwargs) -> Report:
         report.graph_break_reasons = [_first_line(k) for k in new]
         report.capture_retried = counters["inductor_xent"][dynamo_tuning.RETRIED] > retried
         report.sites = [dataclasses.replace(s, reason=_with_break_hint(s, report, new)) for s in report.sites]
+        seen = {(s.pattern, s.head, s.reason) for s in report.sites}
+        report.sites += [s for s in uncaptured if (s.pattern, s.head, s.reason[:-len(CAPTURE_DROPPED)]) not in seen]
     finally:
         torch._dynamo.reset()
     return report

@@ -593,23 +593,78 @@ def test_data_dependent_branches_compile_by_default(untuned_dynamo):
             torch.compile(_branches_on_size, backend="aot_eager")(x, y)
 
 
+def _graphs(fn, *args, **compile_kwargs) -> int:
+    """How many graphs Dynamo compiles for one call of ``fn`` compiled with our backend."""
+    torch._dynamo.reset()
+    counters.clear()
+    if "mode" not in compile_kwargs:  # (torch.compile takes a mode or options)
+        compile_kwargs["options"] = {"xent.inner": "aot_eager", **compile_kwargs.get("options", {})}
+    torch.testing.assert_close(torch.compile(fn, backend="inductor_xent", **compile_kwargs)(*args), fn(*args))
+    return counters["stats"]["unique_graphs"]
+
+
+def _kd_inputs(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, 64, (2, 8), generator=g)
+    y[:, :3] = -100
+    return (torch.randn(2, 8, 16, generator=g, requires_grad=True), torch.randn(64, 16, generator=g),
+            torch.randn(2, 8, 16, generator=g), torch.randn(64, 16, generator=g), y)
+
+
 @pytest.mark.parametrize("compile_kwargs", [{"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}],
                          ids=["reduce_overhead", "cudagraphs_option"])
 def test_no_capture_where_cuda_graphs_run(untuned_dynamo, compile_kwargs):
     """A graph holding a boolean index's nonzero runs without CUDA graphs: where the compile asks for
-    them, the index breaks the graph as torch ships it (two graphs), elsewhere it stays in (one)."""
-    def f(x, m):
-        return x[m].sum() * 2
+    them, the index breaks the graph as torch ships it (two graphs), elsewhere it stays in (one, the
+    masked divergence fused)."""
+    assert _graphs(_masked_kd, *_kd_inputs(), **compile_kwargs) == 2
+    assert _graphs(_masked_kd, *_kd_inputs()) == 1
 
-    x = torch.randn(8, 4)
-    for kwargs, graphs in ((compile_kwargs, 2), ({}, 1)):
-        torch._dynamo.reset()
-        counters.clear()
-        if "mode" not in kwargs:  # (torch.compile takes a mode or options)
-            kwargs = dict(kwargs, options={"xent.inner": "aot_eager", **kwargs.get("options", {})})
-        out = torch.compile(f, backend="inductor_xent", **kwargs)(x, x[:, 0] > 0)
-        torch.testing.assert_close(out, f(x, x[:, 0] > 0))
-        assert counters["stats"]["unique_graphs"] == graphs, (kwargs, dict(counters["stats"]))
+
+def test_cuda_graphs_read_at_each_call(untuned_dynamo):
+    """Inductor's cudagraphs option set around the call (not at torch.compile) is honoured, and a
+    function compiled for CUDA graphs traces without the capture even inside another compiled call."""
+    with ic.patch({"triton.cudagraphs": True}):
+        assert _graphs(_masked_kd, *_kd_inputs()) == 2
+    inner = torch.compile(_masked_kd, backend="inductor_xent", options={"xent.inner": "aot_eager",
+                                                                         "triton.cudagraphs": True})
+
+    @torch.compiler.disable
+    def call_inner(*args):
+        return inner(*args)
+
+    def outer(*args):
+        return call_inner(*args) * 2
+
+    assert _graphs(outer, *_kd_inputs()) == 3  # outer's after the disabled call; inner's two, broken at the index
+
+
+def test_capture_kept_only_where_a_site_uses_it(untuned_dynamo):
+    """A graph whose boolean index no fused site reads is traced again without the capture (as torch
+    ships Dynamo: a graph break), counted, the pass's counts of the dropped attempt undone."""
+    def f(h, w, y, x, m):
+        return F.cross_entropy(h @ w.t(), y) + x[m].sum()
+
+    g = torch.Generator().manual_seed(2)
+    args = (torch.randn(8, 4, generator=g), torch.randn(10, 4, generator=g), torch.randint(0, 10, (8,), generator=g),
+            torch.randn(8, 3, generator=g), torch.rand(8, generator=g) > 0.5)
+    assert _graphs(f, *args) == 2
+    assert counters["inductor_xent"]["frames_traced_without_unused_capture"] == 1
+    assert counters["inductor_xent"]["sites_fused"] == 1, dict(counters["inductor_xent"])
+
+
+def test_in_place_mask_after_its_index_compiles(untuned_dynamo):
+    """AOTAutograd fails on a mask written in place after it indexed a tensor that needs grad when the
+    index is in the graph; no site reads it, so the frame compiles as without the capture."""
+    def f(x, m):
+        kept = x[m]
+        m &= x.detach()[:, 1] > 0
+        return kept.sum() + x[m].sum()
+
+    x = torch.randn(16, 3, requires_grad=True)
+    m = torch.rand(16, generator=torch.Generator().manual_seed(0)) > 0.3
+    out = torch.compile(f, backend="inductor_xent", options={"xent.inner": "aot_eager"})(x, m.clone())
+    torch.testing.assert_close(out, f(x, m.clone()))
 
 
 def test_explain_names_the_branch_that_kept_the_index_out(untuned_dynamo):

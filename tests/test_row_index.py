@@ -98,3 +98,19 @@ def test_explain_reports_the_masked_heads_fused():
     report = inductor_xent.explain(_accuracy_beside_loss, x=ins["x"], W=ins["W"], y=ins["y"])
     assert report.fused_count == 1 and report.graph_break_count == 0, str(report)
     assert "2 heads in one op call" in report.sites[0].reason, str(report)
+
+
+def test_a_users_check_of_the_row_count_stays():
+    """Only Dynamo's own range checks of the picked row count go with the index: a user's
+    ``torch._check`` on it still runs (here it fails: no row is labelled)."""
+    def fn(x, W, y, **_):
+        m = y != -100
+        zm = F.linear(x, W)[m]
+        torch._check(zm.shape[0] >= 4, lambda: "too few labelled rows")
+        return F.cross_entropy(zm, y[m])
+
+    ins = make_inputs()
+    ins["y"][:] = -100
+    with pytest.raises(Exception, match="too few labelled rows"):
+        torch.compile(fn, backend=Recorder())(**ins)
+

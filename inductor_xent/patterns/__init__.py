@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional, Union
 from torch._dynamo.utils import counters
 from torch.fx import GraphModule, Node
 
-from .. import escape, logs
+from .. import dynamo_tuning, escape, logs
 from . import (
     _logits,
     _masked,
@@ -74,7 +74,7 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
     gm.meta[DONE] = True
     _fold_loops(gm, allow_escaping_logits, can_return)
     sites.extend(_distillation(gm, strategy, store_budget))
-    _row_index.commute(gm)
+    commuted = _row_index.commute(gm)
     candidates = _candidates(gm.graph)
     output = next(iter(gm.graph.find_nodes(op="output")), None)
     can_return = can_return and output is not None and isinstance(output.args[0], (tuple, list))
@@ -105,6 +105,8 @@ def _run(gm: GraphModule, allow_escaping_logits: bool, strategy: Optional[str], 
         else:
             site = _report.declined(found.pattern, found.node, found.kinds, found.chain, found.outcome)
         sites.append(_counted(site))
+    if commuted and any(s.fused for s in sites):  # a head over logits[mask]: the capture kept the index in
+        gm.meta[dynamo_tuning.USED] = True
     if any(s.fused for s in sites):
         gm.graph.lint()
         gm.recompile()

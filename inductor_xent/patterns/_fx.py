@@ -63,20 +63,27 @@ DUNDERS = {f"__{name.rstrip('_')}__": getattr(operator, name) for name in (
 
 _SYM_SIZE = (torch.ops.aten.sym_size.int,)
 _ASSERT_SCALAR = (torch.ops.aten._assert_scalar.default,)
-_COMPARISONS = (operator.ge, operator.le, operator.gt, operator.lt, operator.eq)
 
 
-def size_checks(size: Node) -> Optional[list]:
-    """When ``size`` is Dynamo's ``sym_size`` of a tensor of unbacked size (a boolean-mask indexing's,
-    under ``capture_dynamic_output_shape_ops``) read only by the range checks Dynamo adds (comparisons,
-    each asserted by ``_assert_scalar``): ``size`` and those nodes, which can go with the tensor.
-    Else None (not a size, or the count read elsewhere)."""
-    if not (size.op == "call_function" and size.target in _SYM_SIZE):
+def size_checks(size: Node, rows: Any) -> Optional[list]:
+    """When ``size`` is Dynamo's ``sym_size`` of dim 0 of a boolean index's result (a size known only
+    at run time, under ``capture_dynamic_output_shape_ops``; ``rows`` the mask's element count) read
+    only by the range checks Dynamo adds for it, ``size >= 0`` and ``size <= rows``, each asserted by
+    ``_assert_scalar``: ``size`` and those nodes, which can go with the index. Else None (not such a
+    size, or the count read elsewhere: a user's ``torch._check(z.shape[0] >= 4)`` stays)."""
+    if not (size.op == "call_function" and size.target in _SYM_SIZE and len(size.args) == 2 and size.args[1] == 0):
         return None
-    checks = [u for u in size.users if u.op == "call_function" and u.target in _COMPARISONS]
-    if len(checks) != len(size.users) or not all(
-            all(a.op == "call_function" and a.target in _ASSERT_SCALAR for a in c.users) for c in checks):
-        return None
+    checks = list(size.users)
+    for c in checks:
+        if c.op != "call_function" or len(c.args) != 2 or c.args[0] is not size or c.kwargs:
+            return None
+        bound = c.args[1]
+        if not ((c.target is operator.ge and bound == 0)
+                or (c.target is operator.le and (same(bound, rows) if isinstance(bound, int) else
+                                                 isinstance(bound, Node) and same(val(bound), rows)))):
+            return None
+        if not c.users or not all(a.op == "call_function" and a.target in _ASSERT_SCALAR for a in c.users):
+            return None
     return [size, *checks, *(a for c in checks for a in c.users)]
 
 

@@ -57,7 +57,7 @@ def commute(gm: GraphModule) -> int:
         for user in list(index.users):
             if _argmax(index, user, logits, mask) or _cross_entropy(index, user, logits, mask):
                 done += 1
-        checks = [size_checks(u) for u in index.users]
+        checks = [size_checks(u, tval(mask).numel()) for u in index.users]
         if all(c is not None for c in checks):  # nothing but Dynamo's range checks of its row count left
             for node in reversed([n for c in checks for n in c]):
                 gm.graph.erase_node(node)

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
-from .. import config, distill, ops
+from .. import config, distill, dynamo_tuning, ops
 from . import _logits, _mutation, _report, _steps, lm_head_cross_entropy
 from ._fx import Emitter, arg, hint, is_call, norm_dim, numel_hint, same, size_checks, tval
 from ._site import Decline, Head, log_probs_of, probs_of
@@ -153,7 +153,7 @@ def _match(node: Node) -> Union[dict, Decline, None]:
         # a mean over the elements: of every one (kl_div's "mean"), or of the mask's rows' (TRL's "mean")
         reduce = "sum" if is_call(node, SUM) else "mean" if mask is None else "masked_mean"
         return dict(found, reduce=reduce, out=node, inp=src, nodes=(node, *indexing, *found["nodes"]),
-                    **({} if mask is None else {"mask": mask}))
+                    **({} if mask is None else {"mask": mask, "indexed": True}))
     if is_call(node, MEAN):
         return None
     if not isinstance(src, Node) or tval(src) is None or norm_dim(dim, tval(src).dim()) != tval(src).dim() - 1 \
@@ -244,7 +244,7 @@ def _bool_indexed(src: Node) -> tuple[Node, Optional[Node], tuple]:
         return src, None, ()
     nodes = [src]
     for user in src.users:
-        checks = size_checks(user)
+        checks = size_checks(user, tm.numel())
         if checks is not None:
             nodes += checks
         elif not (is_call(user, SUM) or is_call(user, MEAN)):
@@ -641,6 +641,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
             if t is not None and n in (q.matmul, p.matmul):
                 avoided += (numel_hint(t) or 0) * t.element_size()
             graph.erase_node(n)
+    if f.get("indexed"):  # the boolean index Dynamo kept under our scope's capture is read here
+        gm.meta[dynamo_tuning.USED] = True
     kept = _kept_dz(q, needs, budget)
     what = {"forward_kl": "KL(p || q)", "soft_ce": "-(p · log q) summed (the soft cross-entropy, negated)"}.get(
         kind, f"generalised JSD (beta={beta:g})")
