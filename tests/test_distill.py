@@ -740,12 +740,17 @@ FUSED = {"hinton": _hinton, "log_target_masked": _log_target_masked, "reverse_ro
          "masked_kd_with_labels": _masked_kd_with_labels, "trl116_gjsd_mean": functools.partial(_trl116_gjsd, mean=True),
          "kl_none_mean": _kl_none_mean, "torchtune_fkl": _torchtune_kd,
          "torchtune_fkl_sum": functools.partial(_torchtune_kd, normalize=False)}
+# a graph break inside a called loss function (torchtune's data-dependent branch): the caller's graph
+# keeps the heads with the loss only under nested graph breaks (torch 2.13+'s default here)
+NESTED_BREAK = {"torchtune_fkl"}
 
 
 
 
 @pytest.mark.parametrize("name", sorted(FUSED))
-def test_spelling_fuses_with_eager_values_and_gradients(name):
+def test_spelling_fuses_with_eager_values_and_gradients(name, monkeypatch):
+    if name in NESTED_BREAK:  # torch 2.11 and 2.12 trace without nested graph breaks unless asked
+        monkeypatch.setenv("INDUCTOR_XENT_NESTED_GRAPH_BREAKS", "1")
     fn = FUSED[name]
     ins = _inputs()
     report = inductor_xent.explain(fn, **ins)
@@ -791,7 +796,7 @@ def test_isinf_mask_over_a_biased_student_declines():
     """torchtune's ``masked_fill(·, isinf(student_logits), 0)`` reads as nothing only for a biasless
     head (a bias may hold -inf, a masked vocabulary, whose columns eager's mask drops)."""
     def fn(hs, ws, bs, ht, wt, y, **_):
-        return _torchtune_fkl(F.linear(hs, ws, bs), F.linear(ht, wt).detach(), y)
+        return _torchtune_fkl(F.linear(hs, ws, bs), F.linear(ht, wt).detach(), y, normalize=False)
 
     bias = torch.zeros(V)
     bias[::5] = -math.inf
