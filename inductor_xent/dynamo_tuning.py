@@ -104,9 +104,10 @@ class DynamoScope:
     """The backend's ``backend_ctx_ctor``: Dynamo entered around every call of a function compiled
     with ``backend="inductor_xent"`` (and around ``explain``'s trace), with ``nested_graph_breaks =
     True`` unless ``INDUCTOR_XENT_NESTED_GRAPH_BREAKS=0`` and ``capture_dynamic_output_shape_ops =
-    True`` unless ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` or ``capture=False`` (a compile
-    with CUDA graphs: a graph holding a boolean index's ``nonzero`` runs without them, so there the
-    index breaks the graph as torch ships it); the options are restored when the call returns. A
+    True`` unless ``INDUCTOR_XENT_CAPTURE_DYNAMIC_OUTPUT_SHAPES=0`` or the compile (``mode``, ``options``:
+    torch.compile's) runs CUDA graphs (a graph holding a boolean index's ``nonzero`` runs without
+    them, so there the index breaks the graph as torch ships it, an outer scope's capture turned off
+    too); the options are restored when the call returns. A
     graph break inside a model's ``forward`` (an ``.item()`` in a router, a call Dynamo skips) then no
     longer ends the graph at forward's return, which would hand the logits to the caller: the
     caller's loss-only graph keeps tracing (9 of the zoo's 189 causal LMs fuse only so).
@@ -239,7 +240,7 @@ def retry_without_capture() -> bool:
                                        TorchRuntimeError))
             if cause is None:
                 raise
-            key = UNUSED if isinstance(cause, CaptureUnused) or _caused_by(error, (CaptureUnused,)) else RETRIED
+            key = UNUSED if _caused_by(error, (CaptureUnused,)) else RETRIED
             code = args[0] if args else kwargs.get("code")
             counters["inductor_xent"][key] += 1
             log.info("inductor_xent: %s traced again without capture_dynamic_output_shape_ops (%s)",

@@ -36,9 +36,9 @@ CAPTURE_OFF = (
     "the pass reads x[mask].sum() as a masked sum"
 )
 CAPTURE_RETRIED = (
-    "the frame was traced without keeping it in the graph because code in it branches on the truth of "
-    "such a size (if z.shape[0]: after z = x[mask]), which Dynamo cannot trace with the index in the graph; "
-    "compare the size instead (if z.shape[0] > 0:)"
+    "the frame was traced again without keeping it in the graph: Dynamo could not trace it so, as where code "
+    "branches on the truth of such a size (if z.shape[0]: after z = x[mask]; compare the size instead, if "
+    "z.shape[0] > 0:), or its graph failed to compile so (TORCH_LOGS=inductor_xent names the error)"
 )
 CAPTURE_DROPPED = (
     " (seen with Dynamo's capture_dynamic_output_shape_ops, which keeps a boolean index in the graph; as no "

@@ -125,6 +125,14 @@ def swaps_storage(node: Node) -> bool:
     return _name(node) in ("set_", "swap_tensors")
 
 
+def first_write(firsts, last: Node) -> Optional[Node]:
+    """The first node after the earliest of ``firsts`` and before ``last`` (graph order) that writes a
+    tensor (``writes``), or None."""
+    order = {n: i for i, n in enumerate(last.graph.nodes)}
+    lo = min(order[n] for n in firsts)
+    return next((n for n in last.graph.nodes if lo < order[n] < order[last] and writes(n)), None)
+
+
 def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users, hoisted,
                    place: Optional[Node] = None) -> Optional[str]:
     """A reason when a write could change what the rewrite of ``heads`` (Heads over ``chain``;

@@ -81,17 +81,11 @@ def _masked_rows(node: Node) -> Optional[tuple[Node, Node]]:
     return logits, mask
 
 
-def _written(first: Node, last: Node) -> bool:
-    """Whether a node after ``first`` and before ``last`` writes a tensor."""
-    order = {n: i for i, n in enumerate(last.graph.nodes)}
-    return any(order[first] < order[n] < order[last] and _mutation.writes(n) for n in last.graph.nodes)
-
-
 def _argmax(index: Node, user: Node, logits: Node, mask: Node) -> bool:
     if not is_call(user, ARGMAX) or arg(user, 0, "input") is not index:
         return False
     dim, keep = arg(user, 1, "dim"), arg(user, 2, "keepdim", False)
-    if norm_dim(dim, 2) != 1 or not isinstance(keep, bool) or _written(index, user):
+    if norm_dim(dim, 2) != 1 or not isinstance(keep, bool) or _mutation.first_write((index,), user) is not None:
         return False
     emit = Emitter(user.graph, user, user)
     full = emit.call(torch.argmax, logits, -1, keepdim=keep)
@@ -109,11 +103,13 @@ def _cross_entropy(index: Node, user: Node, logits: Node, mask: Node) -> bool:
     target, ignore, reduction = a["target"], a["ignore_index"], a["reduction"]
     if not (is_call(target, (operator.getitem,)) and len(target.args) == 2 and target.args[1] is mask):
         return False
-    if not isinstance(ignore, int) or reduction not in ("mean", "sum", "none") or _written(index, user):
+    if not isinstance(ignore, int) or reduction not in ("mean", "sum", "none") \
+            or _mutation.first_write((index,), user) is not None:
         return False
     labels = target.args[0]
     y = tval(labels)
-    if y is None or tuple(y.shape) != tuple(tval(mask).shape) or y.is_floating_point() or _written(target, user):
+    if y is None or tuple(y.shape) != tuple(tval(mask).shape) or y.is_floating_point() \
+            or _mutation.first_write((target,), user) is not None:
         return False
     emit = Emitter(user.graph, user, user)
     if tval(logits).dim() > 2:

@@ -453,7 +453,7 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
         return ("a hard-label cross-entropy added to a divergence masked otherwise than by its labels "
                 "(the mask is not `labels != ignore_index`)")
     if mask is not None:  # the op masks by the labels as the CE reads them: no write since the mask was taken
-        written = _write_between((mask,), add)
+        written = _mutation.first_write((mask,), add)
         if written is not None:
             return (f"{_mutation.spelling(written)} writes a tensor between the labels mask and the hard-label "
                     "cross-entropy")
@@ -465,14 +465,6 @@ def _hard_label_mix(f: dict) -> Union[dict, str, None]:
         return "a divergence mixed with a cross-entropy under dynamic shapes (the batchmean divisor is symbolic)"
     return dict(add=add, target=head.target, ignore_index=int(head.ignore_index), soft=factor / divisor, hard=hard,
                 masked=mask is not None, nodes=(add, *nodes, other, *head.consumed, *head.aux, *c.nodes))
-
-
-def _write_between(firsts, last: Node) -> Optional[Node]:
-    """The first node after the earliest of ``firsts`` and before ``last`` (graph order) that writes a
-    tensor (``_mutation.writes``), or None."""
-    order = {n: i for i, n in enumerate(last.graph.nodes)}
-    lo = min(order[n] for n in firsts)
-    return next((n for n in last.graph.nodes if lo < order[n] < order[last] and _mutation.writes(n)), None)
 
 
 def _unviewed(node):
@@ -542,7 +534,7 @@ def _check(f: dict) -> Optional[str]:
             mine |= set(mix["nodes"])
             others = sorted({u.name for n in mine if n is not last for u in n.users if u not in mine})
     # the op reads both heads' inputs at the loss: no write between the first matmul and the loss
-    written = _write_between((q.matmul, p.matmul), last)
+    written = _mutation.first_write((q.matmul, p.matmul), last)
     if written is not None:
         return f"{_mutation.spelling(written)} writes a tensor between the lm_head matmuls and the loss"
     if isinstance(mix, str):
