@@ -1,7 +1,7 @@
 """inductor_xent: fused linear + cross-entropy for torch.compile, with no change to model code.
 
 Public surface: ``linear_cross_entropy``, ``linear_log_probs`` (``top_k=``: the kept-set
-log-probs), ``linear_distillation_loss`` and ``linear_topk`` (the functional API);
+log-probs), ``linear_distillation_loss``, ``linear_topk`` and ``linear_gather`` (the functional API);
 ``torch.compile(fn, backend="inductor_xent")`` (the backend, registered through an entry point).
 """
 
@@ -9,11 +9,12 @@ from . import logs as _logs
 from .api import LogProbs, linear_cross_entropy, linear_log_probs
 from .distill import linear_distillation_loss
 from .explain import explain
+from .gathered import linear_gather
 from .inductor_pass import install, uninstall
 from .topk import TopK, linear_topk
 
-__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_distillation_loss", "linear_topk", "LogProbs", "TopK",
-           "explain", "install", "uninstall"]
+__all__ = ["linear_cross_entropy", "linear_log_probs", "linear_distillation_loss", "linear_topk", "linear_gather",
+           "LogProbs", "TopK", "explain", "install", "uninstall"]
 
 
 def _backend(gm, example_inputs, **kwargs):

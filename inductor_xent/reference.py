@@ -1,5 +1,5 @@
-"""The test oracle: the loss of DESIGN.md, and the log-probabilities, entropy and argmax of
-``linear_log_probs``, written as plainly as possible.
+"""The test oracle: the loss of DESIGN.md, the log-probabilities, entropy and argmax of
+``linear_log_probs`` and the gathered columns of ``linear_gather``, written as plainly as possible.
 
 It materialises the whole ``[N, V]`` logits in float32 (float64 for float64 inputs) and is never
 optimised: every fast path (``fallback.py``, the Triton kernels) is tested against it.
@@ -90,3 +90,22 @@ def linear_log_probs(
     return (torch.where(valid, picked, zero).reshape(target.shape),
             torch.where(valid, entropy, zero).reshape(target.shape),
             z.argmax(dim=-1).reshape(target.shape))
+
+
+def linear_gather(
+    hidden: Tensor,
+    weight: Tensor,
+    index: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    log_probs: bool = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+) -> Tensor:
+    """``linear_gather``'s values ``[..., k]``: the logits (``log_probs``: the log-probabilities) of
+    each row at the ids ``index[..., k]``, materialising everything. Differentiable."""
+    opts = LossOptions(-100, 0.0, logit_scale, softcap, 0.0)
+    z = logits(hidden.reshape(-1, hidden.shape[-1]), weight, bias, opts) / temperature
+    values = (torch.log_softmax(z, dim=-1) if log_probs else z).gather(-1, index.reshape(-1, index.shape[-1]))
+    return values.reshape(index.shape)

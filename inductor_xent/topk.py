@@ -192,7 +192,10 @@ def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional
 
 
 def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: float, softcap: Optional[float],
-              log_probs: bool, needs: tuple[bool, bool, bool]):
+              log_probs: bool, needs: tuple[bool, bool, bool], run_sums=None):
+    """(grad_hidden, grad_weight, grad_bias) of ``values`` (the logits or log-probs at ``indices``):
+    ``run_sums(indices, g)`` sums each row's incoming gradients over equal ids (gathered.py) where
+    a row may hold an id twice (a top-k's never does)."""
     g_all = grad_values.to(compute_dtype(hidden.dtype))
     dense_fn = _for(hidden.device, dense_dz)
 
@@ -207,7 +210,8 @@ def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: floa
         else:
             dz = torch.zeros_like(z)
         uk, xk = _scaled(z.gather(1, idx), logit_scale, softcap)
-        dk = g - torch.exp(uk - lse[sl, None]) * total[:, None] if log_probs else g
+        gk = g if run_sums is None else run_sums(idx, g)  # equal ids write equal values
+        dk = gk - torch.exp(uk - lse[sl, None]) * total[:, None] if log_probs else gk
         return dz.scatter_(1, idx, _dz_of_du(dk, xk, logit_scale).to(z.dtype)), None
 
     return _grads_from_du(hidden, weight, bias, needs, logit_scale, dz_of, gives_dz=True)
@@ -294,6 +298,11 @@ def linear_topk_bwd(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: O
 @linear_topk_bwd.register_fake
 def _(grad_values, hidden, weight, bias, indices, lse, logit_scale, softcap, log_probs, needs_hidden, needs_weight,
       needs_bias):
+    return _fake_grads(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+
+def _fake_grads(hidden, weight, bias, needs_hidden: bool, needs_weight: bool, needs_bias: bool) -> tuple:
+    """A backward's (grad_hidden, grad_weight, grad_bias) as fakes: empty (0,) where not needed."""
     return (hidden.new_empty(hidden.shape) if needs_hidden else hidden.new_empty(0),
             weight.new_empty(weight.shape) if needs_weight else weight.new_empty(0),
             bias.new_empty(bias.shape) if needs_bias and bias is not None else weight.new_empty(0))
@@ -700,9 +709,7 @@ def linear_nucleus_logprob_bwd(grad: Tensor, hidden: Tensor, weight: Tensor, bia
 @linear_nucleus_logprob_bwd.register_fake
 def _(grad, hidden, weight, bias, target, lse, edge_col, logit_scale, softcap, ignore_index, needs_hidden,
       needs_weight, needs_bias):
-    return (hidden.new_empty(hidden.shape) if needs_hidden else hidden.new_empty(0),
-            weight.new_empty(weight.shape) if needs_weight else weight.new_empty(0),
-            bias.new_empty(bias.shape) if needs_bias and bias is not None else weight.new_empty(0))
+    return _fake_grads(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
 
 
 def _nucleus_setup_context(ctx, inputs, output):

@@ -150,7 +150,7 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
     writes what comes from its schema (``writes``), storages from the example values (a
     view shares its base's); an unknown storage declines.
     """
-    targets = [h.target for h in heads if h.target is not None]
+    targets = [n for h in heads for n in (h.target, h.index) if n is not None]  # (a gather's ids read as targets)
     losses = [h.loss for h in heads]
     aux = [n for h in heads for n in h.aux]
     reads = {chain.hidden: "the hidden states", chain.weight: "the weight", chain.bias: "the bias",

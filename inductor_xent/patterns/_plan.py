@@ -28,7 +28,7 @@ from ..options import FLOAT_DTYPES
 from . import _dtensor, _logits, _masked, _mutation
 from ._fx import arg, hint, is_call, numel_hint, same, tval
 from ._logits import LogitsChain
-from ._site import NO_IGNORE, Decline, Head, ids_base, lse_of
+from ._site import NO_IGNORE, OWN_OP, Decline, Head, ids_base, lse_of
 from ._steps import SPLITS, Permute, Slice, StackedSlice, Step, stacked, step_of
 
 SUPPORTED_DEVICES = ("cpu", "cuda")
@@ -119,7 +119,7 @@ class SitePlan:
     def main_heads(self) -> list:
         """The heads the site's cross-entropy or log-probs op serves: all but the top-k heads (each
         its own top-k op)."""
-        return [(h, c) for h, c in self.heads if h.kind not in ("topk", "kept")]
+        return [(h, c) for h, c in self.heads if h.kind not in OWN_OP]
 
     @property
     def log_probs_op(self) -> bool:
@@ -173,16 +173,16 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
             owned.update(_stack_owned(u, between))
     escapes = list(dict.fromkeys(u for n in read for u in n.users
                                  if u not in owned and u not in lse_users and u not in theirs))
-    if lse_users and all(h.kind in ("topk", "kept") for h, _ in heads):
-        return Decline(None, site.loss, "a logsumexp of the logits next to top-k heads alone (the top-k op "
-                                        "gives no lse to map it onto)")
+    if lse_users and all(h.kind in OWN_OP for h, _ in heads):
+        return Decline(None, site.loss, "a logsumexp of the logits next to top-k or gather heads alone (their ops "
+                                        "give no lse to map it onto)")
     if any(n not in lse_users and n not in owned for h, _ in heads for n in h.needs_lse_of):
         return Decline(None, site.loss, "a logsumexp the head subtracts does not read the same logits as the rest")
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     first = min([*(h.loss for h, _ in heads), *lse_users], key=order.__getitem__)
     anchor = _op_place(gm, order, chain, first)
     target = _with_target(heads) and _with_target(heads).target
-    inputs = [chain.hidden, chain.weight, chain.bias, target, *(h.shape_ref for h, _ in heads)]
+    inputs = [chain.hidden, chain.weight, chain.bias, target, *(n for h, _ in heads for n in (h.shape_ref, h.index))]
     hoist = _late_closure([n for n in inputs if isinstance(n, Node)], order, anchor)
     if hoist and anchor is not first and any(_floating(n) for n in hoist):
         hoist = None  # out of a no_grad block a float computation would take a gradient
@@ -233,8 +233,8 @@ def _returnable(heads: list, chain: LogitsChain, read: dict, escapes: list) -> t
     rows in the matmul's order."""
     if any(h.kind in ("entropy", "argmax") for h, _ in heads):
         return [], "the log-probs op (entropy, argmax) does not write the logits"
-    if any(h.kind in ("topk", "kept") for h, _ in heads):
-        return [], "the top-k op does not write the logits"
+    if any(h.kind in OWN_OP for h, _ in heads):
+        return [], "the top-k and gather ops do not write the logits"
     if _dtensor.involved(chain):
         return [], "the vocabulary-parallel op does not write the logits"
     if chain.weight_scale is not None:
@@ -389,12 +389,13 @@ def _logsumexps(heads: list, chain: LogitsChain, read: dict, owned: dict) -> dic
 def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
     """Why these heads cannot share one op call, or None."""
     # a top-k head is an op of its own: its own scale, softcap and shift, the site's rows and operands
-    if any(not _logits.same_logits(chain, c, monotone=h.kind in ("argmax", "topk", "kept")) for h, c in heads):
+    if any(not _logits.same_logits(chain, c, monotone=h.kind in ("argmax", *OWN_OP)) for h, c in heads):
         return ("heads of one lm_head read different logits (another scale or temperature, softcap or rows): "
                 "one op computes one set; compute every head from the same logits tensor to fuse")
-    if any(h.kind in ("topk", "kept") and (c.row_scaled != chain.row_scaled or c.bias_shift != chain.bias_shift)
+    if any(h.kind in OWN_OP and (c.row_scaled != chain.row_scaled or c.bias_shift != chain.bias_shift)
            for h, c in heads):
-        return "a top-k head over other logits than the site's (a per-row temperature or a number added before the cap)"
+        return ("a top-k or gather head over other logits than the site's (a per-row temperature or a number added "
+                "before the cap)")
     with_target = [h for h, _ in heads if h.target is not None]
     if len({h.ignore_index for h in with_target} - {NO_IGNORE}) > 1:
         return "heads of the same logits with different ignore_index"
@@ -404,10 +405,12 @@ def _heads_reason(heads: list, chain: LogitsChain) -> Optional[str]:
         return "label smoothing in a cross-entropy next to another head of the same logits"
     if any(h.kind in ("entropy", "argmax") for h, _ in heads) and _dtensor.involved(chain):
         return "vocabulary parallel: entropy and argmax heads (the log-probs op has no DTensor rule)"
-    if any(h.kind in ("topk", "kept") for h, _ in heads) and _dtensor.involved(chain):
-        return "vocabulary parallel: a top-k head (the top-k op has no DTensor rule)"
-    if any(h.kind == "topk" and h.needs_lse_of for h, _ in heads) and all(h.kind == "topk" for h, _ in heads):
-        return "a top-k of z − logsumexp(z) with no other head (spell it log_softmax(z, -1))"
+    if any(h.kind in OWN_OP for h, _ in heads) and _dtensor.involved(chain):
+        return "vocabulary parallel: a top-k or gather head (their ops have no DTensor rule)"
+    if any(h.kind in ("topk", "gathered") and h.needs_lse_of for h, _ in heads) and all(h.kind in OWN_OP
+                                                                                         for h, _ in heads):
+        what = "a top-k" if any(h.kind == "topk" and h.needs_lse_of for h, _ in heads) else "a gather"
+        return f"{what} of z − logsumexp(z) with no other head (spell it log_softmax(z, -1))"
     return None
 
 
@@ -425,7 +428,8 @@ def _inputs_reason(heads: list, chain: LogitsChain) -> Optional[str]:
     cast_bias = tb is not None and chain.bias is arg(chain.matmul, 2, "bias") and is_call(chain.matmul, _logits.LINEAR)
     if tb is not None and not cast_bias and tb.dtype != dtype:
         return f"mixed dtypes: logits {dtype}, bias {tb.dtype} added after the matmul"
-    devices = {t.device for t in (tx, tw, tb, *(tval(h.target) for h in with_target)) if t is not None}
+    devices = {t.device for t in (tx, tw, tb, *(tval(h.target) for h in with_target),
+                                  *(tval(h.index) for h, _ in heads if h.index is not None)) if t is not None}
     if len(devices) != 1 or next(iter(devices)).type not in SUPPORTED_DEVICES:
         return f"unsupported device(s) {sorted(map(str, devices))}"
     dtensor = with_target and _dtensor.decline_reason(with_target[0], chain)  # tensor parallelism: a layout we can run?
@@ -550,7 +554,8 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
     as hints and their requires_grad: which gradients the graph will ask for)."""
     main = p.main_heads
     if not main:
-        return strategy.GradientPlan("recompute", reason="the top-k op recomputes the logits in its backward")
+        ops = " and ".join(dict.fromkeys("gather" if h.kind == "gathered" else "top-k" for h, _ in p.heads))
+        return strategy.GradientPlan("recompute", reason=f"the {ops} op recomputes the logits in its backward")
     site, chain = main[0][0], p.logits
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
         return strategy.GradientPlan("recompute", reason="no vocabulary-parallel store kernel")

@@ -81,6 +81,8 @@ def fused(pattern: str, node: str, heads: tuple, plan: SitePlan, how: strategy.G
     parts = (
         len(main) > 1 and f"{len(main)} heads in one op call",
         *(f"top-k op (k={h.k}, of the {h.normalised.replace('_', '-')})" for h in tops),
+        *(f"gather op (k={h.k}, of the {h.normalised.replace('_', '-')})" for h, _ in plan.heads
+          if h.kind == "gathered"),
         *(f"top-k op (k={h.k}) for the log-probs over the kept set" for h, _ in plan.heads
           if h.kind == "kept" and not h.nucleus),
         *(f"nucleus op (top_p={'per row' if h.top_p_rows is not None else f'{h.top_p:g}'}"

@@ -1,8 +1,8 @@
 """Rewrite one planned site: one fused op call for all its heads (the cross-entropy op, or the
-log-probs op when an entropy or argmax is among them; a top-k op for each top-k head), each head's
-value from the op's outputs (the reduction the user asked for, per-row values shaped as the
-head's), the logsumexps mapped onto the op's lse; then erase what became dead and count the [N, V]
-buffers no longer computed."""
+log-probs op when an entropy or argmax is among them; a top-k op for each top-k head, a gather op
+for each gather of several columns), each head's value from the op's outputs (the reduction the
+user asked for, per-row values shaped as the head's), the logsumexps mapped onto the op's lse;
+then erase what became dead and count the [N, V] buffers no longer computed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch.fx import Node
 
-from .. import escape, ops, strategy, topk
+from .. import escape, gathered, ops, strategy, topk
 from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
 from ._plan import SitePlan
@@ -84,6 +84,8 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         own = float(c.logit_scale), None if c.softcap is None else float(c.softcap)
         if h.kind == "topk":
             _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d), plan.no_grad)
+        elif h.kind == "gathered":
+            _gathered(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d), plan.no_grad)
         elif h.kind == "kept":
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
             if h.nucleus:  # a nucleus kept set (within the top-k when both)
@@ -329,6 +331,24 @@ def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, 
         items[0] = e.method("detach", items[0])
     for u in h.aux:  # getitem(topk, 0 or 1)
         u.replace_all_uses_with(_without_grad(e, _cast_like(e, items[arg(u, 1, "index")], u), u, no_grad))
+
+
+def _gathered(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, cap, shaping: tuple,
+              no_grad: frozenset = frozenset()) -> None:
+    """One gather head: gathered.py's op over the site's operands and the ids flattened to ``[N, k]``,
+    its values (exponentials for a softmax's) shaped as the gather's, in place of the gather."""
+    index = e.method("reshape", h.index, -1, h.k)
+    out = e.call(gathered.GATHER, *operands, index, scale, cap, h.normalised != "logits")
+    values = e.getitem(out, 0)
+    if h.normalised == "probs":
+        values = e.call(torch.exp, values)
+    elif h.normalised == "logits" and c.shift:  # a number added after the softcap (a sigmoid's)
+        values = e.call(operator.add, values, c.shift)
+    if tval(c.nodes[-1]).dim() != 2:
+        values = e.method("unflatten", values, 0, _lead(e, c, len(c.nodes) - 1, *shaping))
+    if c.detached:
+        values = e.method("detach", values)
+    h.loss.replace_all_uses_with(_without_grad(e, _cast_like(e, values, h.loss), h.loss, no_grad))
 
 
 def _place(e: Emitter, node: Node, value: Node, negative: bool, chain: _logits.LogitsChain, folded: list,

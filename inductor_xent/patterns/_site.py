@@ -20,8 +20,10 @@ NO_IGNORE = -(2**31)
 
 
 # what a head computes per row of the logits, in the order explain names a site's heads
-HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "topk", "kept", "distillation"]
+HeadKind = Literal["cross_entropy", "log_probs", "entropy", "argmax", "topk", "kept", "gathered", "distillation"]
 HEAD_KINDS: tuple[HeadKind, ...] = get_args(HeadKind)
+# heads computed by an op of their own (next to the site's cross-entropy or log-probs op, if any)
+OWN_OP: tuple[HeadKind, ...] = ("topk", "kept", "gathered")
 
 
 @dataclass
@@ -35,7 +37,8 @@ class Head:
     (``loss`` the ``torch.topk`` node, ``aux`` its item reads) the ``k`` largest ``normalised``
     values and their columns (the top-k op, next to the site's other op if any); ``kept`` the
     log-prob of the target over the row's top-k or nucleus (top-p) kept set (``loss`` the gather, as
-    ``log_probs``). Per-row
+    ``log_probs``); ``gathered`` the ``normalised`` values at the ids ``index[..., k]`` of each row
+    (``loss`` the gather; gathered.py's op). Per-row
     values are viewed as ``shape_ref`` (then ``squeeze(-1)`` when ``drop_last``), or without one as
     the rows of ``logits`` (with a trailing 1 when ``keepdim``).
     """
@@ -56,7 +59,8 @@ class Head:
     kind: HeadKind = "cross_entropy"
     keepdim: bool = False
     k: int = 0  # topk: how many per row; kept: the top-k kept set's (0: none)
-    normalised: str = ""  # topk: of the "logits", "log_probs" or "probs"
+    normalised: str = ""  # topk, gathered: of the "logits", "log_probs" or "probs"
+    index: Optional[Node] = None  # gathered: the ids [..., k], k per row of the logits
     top_p: float = 1.0  # kept: the nucleus kept set's mass (1: none)
     top_p_rows: Optional[Node] = None  # kept: one mass per row instead (broadcasts to the rows' shape)
 

@@ -6,7 +6,9 @@ and the "log-prob of the target" spelling of RL / DPO code (``torch.gather(F.log
 -1), -1, labels.unsqueeze(-1)).squeeze(-1)``, e.g. TRL's ``selective_log_softmax`` for whole
 batches, and ``torch.distributions.Categorical(logits=logits).log_prob(labels)``, whose log-probs
 are ``logits − logsumexp(logits, -1, keepdim=True)``): a ``log_probs`` head, the user's own masking
-and reduction stay.
+and reduction stay. A gather of several columns per row (``ids[..., k]``, k > 1) of the log-probs,
+the probabilities or the logits themselves is a ``gathered`` head (``_match_columns``): the student's
+side of top-k distillation from a teacher's stored top-k.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.fx import Node
 
-from ._fx import arg, bind, is_call, norm_dim, same, tval
+from ._fx import arg, bind, hint, is_call, norm_dim, same, tval
 from ._site import (
     Decline,
     Head,
@@ -26,6 +28,7 @@ from ._site import (
     log_probs_of,
     log_softmax,
     loss_args_reason,
+    probs_of,
     unbroadcast,
     vocab_last,
 )
@@ -94,15 +97,17 @@ def _match_gather(node: Node):
     lp, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
     ls = log_probs_of(lp)
     tl, ti = tval(lp), tval(index)
-    if ls is None or tl is None or ti is None or node.kwargs.get("sparse_grad"):
+    if tl is None or ti is None or tl.dim() < 2 or norm_dim(dim, tl.dim()) != tl.dim() - 1:
         return None
-    if norm_dim(dim, tl.dim()) != tl.dim() - 1:
+    if ls is None or (ti.dim() == tl.dim() and not same(ti.shape[-1], 1)):
+        return _match_columns(node, lp, index, ls)
+    if node.kwargs.get("sparse_grad"):
         return None
     decline = functools.partial(Decline, PATTERN, node, logits=ls.logits, kind="log_probs")
     if ls.dim != tl.dim() - 1:
         return decline(f"log_softmax over dim {ls.dim}, not the vocabulary (last) dim")
-    if ti.dim() != tl.dim() or not same(ti.shape[-1], 1):
-        return decline("gather of more than one class per row")
+    if ti.dim() != tl.dim():
+        return decline("gather index of another rank than the log-probs")
     if not all(same(a, b) for a, b in zip(ti.shape[:-1], tl.shape[:-1])):
         return decline("gather index does not cover the logits' rows one to one")
     reason = integer_target(index)
@@ -111,3 +116,39 @@ def _match_gather(node: Node):
     target, between = unbroadcast(index)
     return Head(PATTERN, node, ls.logits, target, ls.nodes, between, shape_ref=target, needs_lse_of=ls.lse,
                     kind="log_probs")
+
+
+def _match_columns(node: Node, src: Node, index: Node, ls):
+    """A gather of several columns of each row (``index[..., k]``, k > 1) of the log-probs (``ls``),
+    the probabilities or the logits themselves: the student's side of top-k distillation from stored
+    teacher ids (``F.log_softmax(s / T, -1).gather(-1, ids)``; the logits gathered, then normalised
+    over the k: ``s.gather(-1, ids)``): a ``gathered`` head (gathered.py's op), or None where ``src``
+    is none of these (a gather of a per-token value, of a router's few columns)."""
+    from ._logits import is_matmul
+    from ._steps import MATCHERS
+    from .topk import MIN_VOCAB
+
+    tl, ti = tval(src), tval(index)
+    of, logits, consumed, lse = "logits", src, (), ()
+    p = probs_of(src)
+    if ls is not None:
+        of, logits, consumed, lse = "log_probs", ls.logits, ls.nodes, ls.lse
+    elif p is not None:
+        of, logits, consumed, lse = "probs", p.logits, p.nodes, p.lse
+    elif not (is_matmul(src) or is_call(src, tuple(MATCHERS))):
+        return None  # a gather of something computed from the logits (per-token values)
+    if (hint(tl.shape[-1]) or 0) < MIN_VOCAB or ti.dim() != tl.dim() or same(ti.shape[-1], 1):
+        return None  # a router's few columns; one column per row is a target's (the heads above)
+    decline = functools.partial(Decline, PATTERN, node, logits=logits, kind="gathered")
+    if (ls or p) is not None and (ls or p).dim != tl.dim() - 1:
+        return decline(f"a {of.replace('_', '-')} gather over dim {(ls or p).dim}, not the vocabulary (last) dim")
+    if node.kwargs.get("sparse_grad") or arg(node, 3, "sparse_grad", False):
+        return decline("gather(..., sparse_grad=True) is not fused")
+    if not all(same(a, b) for a, b in zip(ti.shape[:-1], tl.shape[:-1])):
+        return decline("gather index does not cover the logits' rows one to one")
+    if not isinstance(ti.shape[-1], int):
+        return decline("a gather of a symbolic number of columns per row")
+    if ti.dtype != torch.long:
+        return decline(f"gather index of dtype {ti.dtype}")
+    return Head(PATTERN, node, logits, None, consumed, kind="gathered", needs_lse_of=lse, k=int(ti.shape[-1]),
+                normalised=of, index=index)

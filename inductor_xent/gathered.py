@@ -1,0 +1,173 @@
+"""An lm_head's log-probs (or logits) at given vocabulary ids per row, without the ``[N, V]`` logits:
+the student's side of top-k distillation from a stored teacher top-k
+(``F.log_softmax(s / T, -1).gather(-1, teacher_ids)``, ids ``[..., k]``), and of any loss that reads
+a few columns of each row (a candidate set, a kept set given by ids).
+
+With ``u = softcap·tanh(z·scale/softcap)`` (``u = z·scale`` without a softcap; a temperature is
+folded in as for the log-prob op, ``options.fold_temperature``) and ``z = hidden @ weight.T + bias``,
+the values are ``u[n, index[n, j]]``, minus each row's ``logsumexp(u)`` with ``log_probs``.
+
+The op runs over the top-k op's row chunks (topk.py): each chunk's logits from one GEMM (cuBLAS on
+CUDA: the same logits as eager's matmul), the chunk's columns gathered and, for log-probs, its
+logsumexp in one more pass over the chunk (compiled by Inductor on CUDA). The backward recomputes
+each chunk's logits and writes ``dz`` whole: ``−softmax(u)·Σ_j g_j`` on every column (log-probs), the
+incoming gradients added at the gathered columns, then ``dz @ W`` and ``dzᵀ @ h`` (three GEMMs per
+chunk, as eager's backward after its own forward: 4/3 of eager's GEMM work, O(chunk) memory).
+An id that appears twice in a row gets both gradients, as eager's gather gives them: each row's
+gradients are summed over equal ids in a fixed order (``_run_sums``), so the result is
+deterministic, with no atomics.
+
+``inductor_xent::linear_gather(hidden, weight, bias, index, logit_scale, softcap, log_probs) ->
+(values, lse)``: values ``(N, k)`` in the compute dtype (fp32 for 16-bit inputs), lse ``(N,)``
+(empty ``(0,)`` without ``log_probs``; not differentiable). Ids outside ``[0, V)`` raise as eager's
+gather does (a device-side assert on CUDA). Its backward is
+``inductor_xent::linear_gather_bwd(grad_values, hidden, weight, bias, index, lse, logit_scale,
+softcap, log_probs, needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import topk
+from .ops import _without_autocast
+from .options import compute_dtype
+
+
+def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor, logit_scale: float,
+             softcap: Optional[float], log_probs: bool) -> tuple[Tensor, Tensor]:
+    n, v, k = hidden.shape[0], weight.shape[0], index.shape[1]
+    cd = compute_dtype(hidden.dtype)
+    values = hidden.new_empty((n, k), dtype=cd)
+    lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
+    step = topk.chunk_rows(n, v, hidden.device, hidden.element_size() + 2)  # the chunk's logits, the lse's pass
+    lse_fn = topk._for(hidden.device, topk._lse_of)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        z = F.linear(hidden[sl], weight, bias)
+        values[sl] = topk._scaled(z.gather(1, index[sl]), logit_scale, softcap)[0]
+        if log_probs:
+            lse[sl] = lse_fn(z, logit_scale, softcap)
+            values[sl] -= lse[sl, None]
+    return values, lse
+
+
+def _run_sums(index: Tensor, g: Tensor) -> Tensor:
+    """Per position of each row, the sum of ``g`` over the row's positions holding the same id (``g``
+    itself where the ids differ), summed in one fixed order: the row's ids sorted (stable), a
+    segmented scan over them (log2(k) steps), each segment's total read back at its positions."""
+    k = index.shape[1]
+    if k < 2:
+        return g
+    ids, order = torch.sort(index, dim=1, stable=True)
+    acc = g.gather(1, order)
+    start = torch.ones_like(ids, dtype=torch.bool)
+    start[:, 1:] = ids[:, 1:] != ids[:, :-1]  # a segment of equal ids starts here
+    shift = 1
+    while shift < k:  # (start, sum) pairs combined as a segmented inclusive scan (Hillis-Steele)
+        prev_sum, prev_start = acc[:, :-shift], start[:, :-shift]
+        acc = torch.cat([acc[:, :shift], torch.where(start[:, shift:], acc[:, shift:], acc[:, shift:] + prev_sum)], 1)
+        start = torch.cat([start[:, :shift], start[:, shift:] | prev_start], 1)
+        shift *= 2
+    last = torch.searchsorted(ids, ids, right=True) - 1  # each segment's total sits at its last position
+    return torch.empty_like(g).scatter_(1, order, acc.gather(1, last))
+
+
+@torch.library.custom_op("inductor_xent::linear_gather", mutates_args=())
+@_without_autocast
+def linear_gather_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor, logit_scale: float,
+                      softcap: Optional[float], log_probs: bool) -> tuple[Tensor, Tensor]:
+    return _forward(hidden, weight, bias, index, logit_scale, softcap, log_probs)
+
+
+@linear_gather_fwd.register_fake
+def _(hidden, weight, bias, index, logit_scale, softcap, log_probs):
+    n, cd = hidden.shape[0], compute_dtype(hidden.dtype)
+    return hidden.new_empty((n, index.shape[1]), dtype=cd), hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
+
+
+@torch.library.custom_op("inductor_xent::linear_gather_bwd", mutates_args=())
+@_without_autocast
+def linear_gather_bwd(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
+                      lse: Tensor, logit_scale: float, softcap: Optional[float], log_probs: bool, needs_hidden: bool,
+                      needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    return topk._backward(grad_values, hidden, weight, bias, index, lse, logit_scale, softcap, log_probs,
+                          (needs_hidden, needs_weight, needs_bias), _run_sums)
+
+
+@linear_gather_bwd.register_fake
+def _(grad_values, hidden, weight, bias, index, lse, logit_scale, softcap, log_probs, needs_hidden, needs_weight,
+      needs_bias):
+    return topk._fake_grads(hidden, weight, bias, needs_hidden, needs_weight, needs_bias)
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, index, logit_scale, softcap, log_probs = inputs
+    ctx.save_for_backward(hidden, weight, bias, index, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.set_materialize_grads(False)
+    ctx.options = (logit_scale, softcap, log_probs)
+
+
+def _autograd_backward(ctx, grad_values, _grad_lse):
+    hidden, weight, bias, index, lse = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    need_b = need_b and bias is not None
+    if grad_values is None or not (need_h or need_w or need_b):
+        return (None,) * 7
+    gh, gw, gb = linear_gather_bwd(grad_values, hidden, weight, bias, index, lse, *ctx.options, need_h, need_w,
+                                   need_b)
+    return gh if need_h else None, gw if need_w else None, gb if need_b else None, None, None, None, None
+
+
+linear_gather_fwd.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+GATHER = torch.ops.inductor_xent.linear_gather.default
+GATHER_BACKWARD = torch.ops.inductor_xent.linear_gather_bwd.default
+
+
+def check_index(index: Tensor, hidden: Tensor) -> None:
+    """ValueError / TypeError naming what is wrong with the ids of ``linear_gather``."""
+    if not isinstance(index, Tensor) or index.dtype != torch.long:
+        raise TypeError(f"index must be an int64 tensor, got {getattr(index, 'dtype', type(index).__name__)}")
+    if index.dim() != hidden.dim() or index.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(f"index must be [..., k] with the rows of hidden {tuple(hidden.shape[:-1])}, got "
+                         f"{tuple(index.shape)}")
+    if index.device != hidden.device:
+        raise ValueError(f"index is on {index.device}, hidden on {hidden.device}")
+
+
+def linear_gather(
+    hidden: Tensor,
+    weight: Tensor,
+    index: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    log_probs: bool = False,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+) -> Tensor:
+    """The logits (``log_probs``: the log-probabilities) of each row at the vocabulary ids
+    ``index[..., k]``, without the ``[..., V]`` logits (module docstring). Equal, up to rounding, to::
+
+        z = F.linear(hidden, weight, bias).float() * logit_scale      # then the softcap, / temperature
+        (F.log_softmax(z, -1) if log_probs else z).gather(-1, index)
+
+    The result is ``[..., k]`` in the compute dtype (fp32 for 16-bit inputs) and differentiable
+    (an id repeated in a row gets both gradients, as eager's gather gives them). Inside
+    ``torch.autocast`` the operands are cast as autocast casts them for ``F.linear``."""
+    from .api import _autocast  # (api imports topk, which this module imports)
+
+    hidden, weight, bias = _autocast(hidden, weight, bias)  # as F.linear under torch.autocast
+    topk._check_head(hidden, weight, bias)
+    check_index(index, hidden)
+    scale, cap = topk._scale_and_cap(temperature, logit_scale, softcap)
+    k = index.shape[-1]
+    values, _ = GATHER(hidden.reshape(-1, hidden.shape[-1]), weight, bias, index.reshape(-1, k), scale, cap,
+                       bool(log_probs))
+    return values.reshape(*hidden.shape[:-1], k)

@@ -1,0 +1,301 @@
+"""An lm_head's log-probs (or logits) at given ids per row (inductor_xent/gathered.py): the student's
+side of top-k distillation from stored teacher ids. ``linear_gather`` against ``reference.py`` and
+eager's gather over materialised logits (float64 oracle, tolerance relative to torch's own error)
+over several row chunks, ids repeated in a row included; the ops' schemas; errors; the pass on the
+spellings users write (fused, no ``[N, V]`` tensor in AOTAutograd's graphs, eager's values and
+gradients) and its declines; on a GPU the same in bf16 (cuda-marked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import inductor_xent
+from inductor_xent import gathered, reference
+
+from .helpers import assert_all_smaller, assert_within_torch_error, fallback_chunks
+
+N, D, V, K = 45, 24, 1031, 9  # V over the pass's MIN_VOCAB (fewer columns: a router's); N not a chunk multiple
+CUDA = torch.cuda.is_available()
+OPTIONS = {  # name -> (logit_scale, softcap, temperature)
+    "plain": (1.0, None, 1.0),
+    "temperature": (1.0, None, 0.7),
+    "scale_softcap": (1.3, 4.0, 0.8),
+}
+
+
+def _inputs(seed=0, bias=True, k=K):
+    """Hidden [3, 15, D], weight, bias, ids [3, 15, k] with repeats in some rows (an id twice, one
+    row holding a single id k times) and the first and last columns."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(3, N // 3, D, generator=g)
+    w = torch.randn(V, D, generator=g) * 0.5
+    b = torch.randn(V, generator=g) if bias else None
+    ids = torch.randint(0, V, (3, N // 3, k), generator=g)
+    ids[0, :5, 2] = ids[0, :5, 0]  # an id twice in a row: both positions' gradients add
+    ids[1, 3] = 7  # one id k times
+    ids[2, 0, :2] = torch.tensor([0, V - 1])
+    return h, w, b, ids
+
+
+def _leaves(ts, dtype=None):
+    return [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_() for t in ts]
+
+
+def _grads(out, leaves, g):
+    return torch.autograd.grad(out, [t for t in leaves if t is not None], g)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("log_probs", [False, True])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_linear_gather_matches_reference(name, log_probs, bias):
+    """Values and gradients (random upstream gradients, so repeated ids' sums are checked) within
+    torch's own error against float64, over 7 row chunks of the chunked op."""
+    scale, cap, temp = OPTIONS[name]
+    h, w, b, ids = _inputs(seed=len(name), bias=bias)
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7))
+    kw = dict(log_probs=log_probs, temperature=temp, logit_scale=scale, softcap=cap)
+    results = []
+    for dtype in (torch.float64, torch.float32):
+        lv = _leaves((h, w, b), dtype)
+        ref = reference.linear_gather(lv[0], lv[1], ids, bias=lv[2], **kw)
+        results.append((ref, _grads(ref, lv, g.to(dtype))))
+    lv = _leaves((h, w, b))
+    with fallback_chunks(V * 4 * 7):  # 7 rows a chunk: 7 chunks
+        ours = inductor_xent.linear_gather(lv[0], lv[1], ids, bias=lv[2], **kw)
+        our_grads = _grads(ours, lv, g)
+    (exact, exact_grads), (same, same_grads) = results
+    assert ours.dtype == torch.float32 and ours.shape == ids.shape
+    assert_within_torch_error(ours, same, exact, what="values")
+    for what, a, s, e in zip(("hidden", "weight", "bias"), our_grads, same_grads, exact_grads):
+        assert_within_torch_error(a, s, e, what=what)
+
+
+def test_reference_is_eagers_gather():
+    """The oracle is what users write: the log-softmax (or logits) gathered at the ids."""
+    h, w, b, ids = _inputs(seed=1)
+    z = F.linear(h, w, b) * 1.3
+    z = 4.0 * torch.tanh(z / 4.0) / 0.8
+    got = reference.linear_gather(h, w, ids, bias=b, log_probs=True, temperature=0.8, logit_scale=1.3, softcap=4.0)
+    torch.testing.assert_close(got, F.log_softmax(z, -1).gather(-1, ids))
+
+
+def test_repeated_ids_sum_in_one_order():
+    """An id held k times by a row gets the sum of its k gradients, the same bits each call (the
+    sums run in one fixed order), and as eager's scatter of them to the float64 precision."""
+    ids = torch.tensor([[3, 1, 3, 2, 3, 1], [0, 1, 2, 3, 4, 5]])
+    g = torch.tensor([[1.0, 2.0, 4.0, 8.0, 16.0, 32.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    got = gathered._run_sums(ids, g)
+    assert torch.equal(got, torch.tensor([[21.0, 34.0, 21.0, 8.0, 21.0, 34.0], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]))
+    h, w, b, idx = _inputs(seed=3)
+    up = torch.randn(idx.shape, generator=torch.Generator().manual_seed(4))
+    runs = []
+    for _ in range(2):
+        lv = _leaves((h, w, b))
+        runs.append(_grads(inductor_xent.linear_gather(lv[0], lv[1], idx, bias=lv[2], log_probs=True), lv, up))
+    assert all(torch.equal(a, c) for a, c in zip(*runs))
+
+
+@pytest.mark.parametrize("index, error, words", [
+    (lambda ids: ids.int(), TypeError, "index must be an int64 tensor"),
+    (lambda ids: ids[:, :-1], ValueError, "with the rows of hidden"),
+    (lambda ids: ids.reshape(-1, K), ValueError, "with the rows of hidden"),
+    (lambda ids: ids.float(), TypeError, "index must be an int64 tensor"),
+])
+def test_linear_gather_rejects(index, error, words):
+    h, w, b, ids = _inputs()
+    with pytest.raises(error, match=words):
+        inductor_xent.linear_gather(h, w, index(ids), bias=b)
+
+
+def test_out_of_range_ids_raise_as_eagers_gather():
+    h, w, b, ids = _inputs()
+    ids[0, 0, 0] = V
+    with pytest.raises(RuntimeError, match="out of bounds"):
+        inductor_xent.linear_gather(h, w, ids, bias=b, log_probs=True)
+
+
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_opcheck_gather_ops(log_probs):
+    """The ops' schemas, fake shapes and autograd registration."""
+    h, w, b, ids = _inputs(seed=2)
+    h2, idx = h.reshape(-1, D), ids.reshape(-1, K)
+    args = (h2.requires_grad_(), w.requires_grad_(), b, idx, 1.2, 3.0, log_probs)
+    torch.library.opcheck(gathered.GATHER, args)
+    values, lse = gathered.GATHER(*args)
+    assert values.shape == (N, K) and lse.shape == ((N,) if log_probs else (0,))
+    grad_args = (torch.randn(N, K), h2.detach(), w.detach(), b, idx, lse, 1.2, 3.0, log_probs, True, True, True)
+    torch.library.opcheck(gathered.GATHER_BACKWARD, grad_args)
+
+
+def test_linear_gather_compiles_into_one_op():
+    """Under torch.compile (fullgraph) the API is one op in the graph, with eager's results."""
+    h, w, b, ids = _inputs(seed=4)
+
+    def fn(h, w, b, ids):
+        return inductor_xent.linear_gather(h, w, ids, bias=b, log_probs=True, temperature=0.9).sum(-1)
+
+    torch._dynamo.reset()
+    got = torch.compile(fn, backend="aot_eager", fullgraph=True)(h, w, b, ids)
+    torch.testing.assert_close(got, fn(h, w, b, ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# the pass: a gather of several columns of the log-probs, the probabilities or the logits
+# ---------------------------------------------------------------------------------------------
+def _topk_kd(x, W, ids, t_lp, mask):
+    """Top-k distillation from a teacher's stored top-k (ids and log-probs): the forward KL over the
+    teacher's k ids at T = 2, a masked mean over the tokens (DistillKit's and verl's spelling)."""
+    s_lp = F.log_softmax(F.linear(x, W).float() / 2.0, dim=-1).gather(-1, ids)
+    kl = (t_lp.exp() * (t_lp - s_lp)).sum(-1)
+    return (kl * mask).sum() / mask.sum() * 4.0
+
+
+def _topk_kd_renormalised(x, W, ids, t_lp, mask):
+    """The student's logits at the teacher's ids, renormalised over those k (torch.gather form)."""
+    s = torch.gather(F.linear(x, W), -1, ids)
+    return F.kl_div(F.log_softmax(s / 2.0, -1), t_lp, log_target=True, reduction="batchmean")
+
+
+def _probs_at_ids(x, W, ids, t_lp, mask):
+    """The student's probabilities at the ids (a soft cross-entropy's other half)."""
+    p = torch.softmax(x @ W.t(), dim=-1).gather(-1, ids)
+    return -(p * t_lp).sum()
+
+
+def _ce_and_topk_kd(x, W, ids, t_lp, mask):
+    """The hard-label loss and the top-k distillation over one student's logits: the cross-entropy
+    op and the gather op, the logits never formed."""
+    z = F.linear(x, W)
+    y = ids[..., 0]
+    ce = F.cross_entropy(z.view(-1, z.shape[-1]), y.view(-1))
+    s_lp = torch.gather(F.log_softmax(z / 2.0, dim=-1), -1, ids)
+    return 0.5 * ce + 0.5 * (t_lp.exp() * (t_lp - s_lp)).sum(-1).mean() * 4.0
+
+
+SPELLINGS = {"topk_kd": (_topk_kd, "gather op (k=9, of the log-probs)"),
+             "renormalised": (_topk_kd_renormalised, "gather op (k=9, of the logits)"),
+             "probs": (_probs_at_ids, "gather op (k=9, of the probs)"),
+             "ce_and_topk_kd": (_ce_and_topk_kd, "gather op (k=9, of the log-probs)")}
+
+
+def _kd_inputs(seed):
+    h, w, _, ids = _inputs(seed=seed, bias=False)
+    g = torch.Generator().manual_seed(seed + 1)
+    t_lp = torch.log_softmax(torch.randn(ids.shape, generator=g) * 2, -1)
+    mask = (torch.rand(ids.shape[:-1], generator=g) > 0.3).float()
+    return h, w, ids, t_lp, mask
+
+
+def _fuses_as_eager(fn, words, args, rtol, atol):
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from inductor_xent import patterns
+
+    report = inductor_xent.explain(fn, *args)
+    (site,) = report.sites
+    assert site.fused and words in site.reason, report
+    aot, sites = AotEagerAndRecordGraphs(), []
+
+    def backend(gm, example_inputs):
+        sites.extend(patterns.run(gm))
+        return aot(gm, example_inputs)
+
+    torch._dynamo.reset()
+    lv, le = _leaves(args[:2]), _leaves(args[:2])
+    got = torch.compile(fn, backend=backend)(*lv, *args[2:])
+    want = fn(*le, *args[2:])
+    assert [x.fused for x in sites] == [True]
+    assert any(gathered.GATHER in {n.target for n in g.graph.nodes} for g in aot.fw_graphs)
+    assert_all_smaller(aot.fw_graphs + aot.bw_graphs, N * V)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
+    for ga, gb in zip(torch.autograd.grad(got, lv), torch.autograd.grad(want, le)):
+        torch.testing.assert_close(ga, gb, rtol=rtol * 10, atol=atol)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+def test_gather_spellings_fuse_with_eager_results(name):
+    """The spelling compiled with the backend: fused (explain names the gather op), no [N, V] tensor
+    in AOTAutograd's graphs, the loss and gradients as eager's."""
+    fn, words = SPELLINGS[name]
+    _fuses_as_eager(fn, words, _kd_inputs(21), 1e-5, 1e-6)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_topk_kd_fuses_under_autocast():
+    """bf16 autocast around the compiled call (HF Trainer's bf16=True): the operands cast as
+    autocast casts F.linear's, the gradients reach the fp32 leaves; within bf16 rounding of eager's."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _fuses_as_eager(_topk_kd, "autocast: operands cast to bfloat16", _kd_inputs(22), 2e-2, 1e-3)
+
+
+def _minus_logsumexp(x, W, ids, t_lp, mask):
+    z = F.linear(x, W)
+    return (z - torch.logsumexp(z, -1, keepdim=True)).gather(-1, ids).sum()
+
+
+def _sparse_grad(x, W, ids, t_lp, mask):
+    return torch.gather(F.log_softmax(F.linear(x, W), -1), -1, ids, sparse_grad=True).sum()
+
+
+def _fewer_rows(x, W, ids, t_lp, mask):
+    return F.log_softmax(F.linear(x, W), -1).gather(-1, ids[:, :-1]).sum()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("fn, words", [(_minus_logsumexp, "spell it log_softmax"), (_sparse_grad, "sparse_grad"),
+                                       (_fewer_rows, "does not cover the logits' rows")])
+def test_gather_declines_with_reason(fn, words):
+    (site,) = inductor_xent.explain(fn, *_kd_inputs(23)).sites
+    assert not site.fused and site.head == "gathered" and words in site.reason, site
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_router_gather_is_no_candidate():
+    """A gather over fewer columns than patterns.topk.MIN_VOCAB (a router's experts) is left alone."""
+    h, _, _, _ = _inputs(seed=24)
+    gate = torch.randn(8, D)
+    picked = torch.randint(0, 8, (3, N // 3, 2))
+
+    def route(x, g, i):
+        return torch.gather(F.softmax(F.linear(x, g), dim=-1), -1, i).sum()
+
+    assert inductor_xent.explain(route, h, gate, picked).sites == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the cuBLAS logits)")
+@pytest.mark.parametrize("log_probs", [False, True])
+def test_linear_gather_cuda_bf16(log_probs):
+    """bf16 on the GPU, a vocabulary of 32000 and k = 64 over several chunks: values and gradients
+    within torch's own error (eager: the bf16 matmul upcast to fp32, as users write it)."""
+    g = torch.Generator().manual_seed(5)
+    n, d, v, k = 1024, 256, 32000, 64
+    h = torch.randn(n, d, generator=g).cuda()
+    w = (torch.randn(v, d, generator=g) * 0.2).cuda()
+    ids = torch.randint(0, v, (n, k), generator=g).cuda()
+    ids[:, 1] = ids[:, 0]  # repeats
+    up = torch.randn(n, k, generator=g).cuda()
+    results = []
+    for dtype in (torch.float64, torch.bfloat16):
+        lv = _leaves((h, w), dtype)
+        z = F.linear(*lv).float() if dtype == torch.bfloat16 else F.linear(*lv)
+        ref = (F.log_softmax(z, -1) if log_probs else z).gather(-1, ids)
+        results.append((ref, _grads(ref, lv, up.to(ref.dtype))))
+    lv = _leaves((h, w), torch.bfloat16)
+    from inductor_xent import topk
+
+    old = topk.CUDA_CHUNK_BYTES
+    topk.CUDA_CHUNK_BYTES = 300 * v * topk.BYTES_PER_LOGIT  # 300 rows a chunk
+    try:
+        ours = inductor_xent.linear_gather(lv[0], lv[1], ids, log_probs=log_probs)
+        our_grads = _grads(ours, lv, up)
+    finally:
+        topk.CUDA_CHUNK_BYTES = old
+    (exact, exact_grads), (same, same_grads) = results
+    assert_within_torch_error(ours, same, exact, what="values")
+    for what, a, s, e in zip(("hidden", "weight"), our_grads, same_grads, exact_grads):
+        assert_within_torch_error(a, s, e, what=what)
