@@ -20,6 +20,10 @@ What is timed, at the llama3-8b head by default (bf16):
   ``--methods`` (not in the default list): the sort over the vocabulary is slow to compile and time.
   ``--logit-std`` sets the logits' spread: at the default 1 (gauss data) a kept set holds most of the
   vocabulary; at 4 tens of columns, as an LLM's (the median and largest kept-set sizes are printed).
+* ``gather_eager`` / ``gather_compile`` / ``gather_ours`` / ``gather_ours_compiled`` (opt-in): the
+  student's side of top-k distillation from a teacher's stored top-k, the log-probs at T of k fixed
+  random ids per row (``F.log_softmax(F.linear(h, w).float() / T, -1).gather(-1, ids)``) eagerly,
+  under torch.compile, ``inductor_xent.linear_gather`` and the spelling under the backend.
 
 Forward alone and forward + backward (the values' gradient a random [N, k] tensor; the kept-set
 rows' a random [N]) with the extra peak memory of each. The kept-set methods also get errors on the
@@ -54,12 +58,25 @@ T = 0.7
 TOP_P = 0.9
 TARGET_FWD_VS_CUBLAS = 1.15
 # timed only when named in --methods
-OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile", "nucleus_bisect", "nucleus_sort")
+OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile", "nucleus_bisect", "nucleus_sort", "gather_eager",
+          "gather_compile", "gather_ours", "gather_ours_compiled")
 ERR_ROWS = 512
 
 
 def spelling(h, w, k):
     return torch.topk(F.log_softmax(F.linear(h, w).float() / T, -1), k)
+
+
+def gathered(h, w, ids):
+    return F.log_softmax(F.linear(h, w).float() / T, -1).gather(-1, ids)
+
+
+@functools.cache
+def teacher_ids(n: int, v: int, k: int, device: str) -> torch.Tensor:
+    """k distinct random ids per row (a teacher's stored top-k), the same for every method."""
+    g = torch.Generator().manual_seed(2)
+    return torch.rand(n, v, generator=g).topk(k, -1).indices.to(device) if n * v <= 2**31 else \
+        torch.stack([torch.randperm(v, generator=g)[:k] for _ in range(n)]).to(device)
 
 
 def kept_eager(h, w, ids, k):
@@ -82,6 +99,11 @@ def methods(k):
     compiled = torch.compile(spelling, dynamic=False)
     nucleus_compiled = torch.compile(nucleus_eager, dynamic=False)
     fused = torch.compile(spelling, backend="inductor_xent", dynamic=False)
+    gather_compiled = torch.compile(gathered, dynamic=False)
+    gather_fused = torch.compile(gathered, backend="inductor_xent", dynamic=False)
+
+    def at(fn):  # the method over the teacher's ids of these shapes
+        return lambda h, w, ids: fn(h, w, teacher_ids(h.shape[0], w.shape[0], k, str(h.device)))
     return {
         "cublas": lambda h, w, ids: F.linear(h, w),
         "eager": lambda h, w, ids: spelling(h, w, k).values,
@@ -96,6 +118,10 @@ def methods(k):
                                                                        top_p=TOP_P).log_probs,
         "nucleus_bisect": nucleus_with(("cuda", "cpu")),
         "nucleus_sort": nucleus_with(()),
+        "gather_eager": at(gathered),
+        "gather_compile": at(gather_compiled),
+        "gather_ours": at(lambda h, w, i: inductor_xent.linear_gather(h, w, i, log_probs=True, temperature=T)),
+        "gather_ours_compiled": at(gather_fused),
     }
 
 

@@ -189,6 +189,38 @@ def _kd_inputs(seed):
     return h, w, ids, t_lp, mask
 
 
+def _verl_forward_kl_topk(x, W, ids, t_lp, mask):
+    """verl's compute_forward_kl_topk (on-policy distillation): one log_softmax read by a top-k of the
+    student (overlap diagnostics) and the gather at the teacher's ids, clamped, the KL per token."""
+    student_log_probs = F.log_softmax(F.linear(x, W), dim=-1)
+    student_topk_ids = torch.topk(student_log_probs, k=ids.shape[-1], dim=-1).indices
+    s_lp = torch.gather(student_log_probs, dim=-1, index=ids)
+    student_mass = s_lp.exp().sum(dim=-1)
+    s_lp, t = s_lp.clamp_min(-10.0), t_lp.clamp_min(-10.0)
+    losses = (t.exp() * (t - s_lp)).sum(-1)
+    overlap = (ids.unsqueeze(-1) == student_topk_ids.unsqueeze(-2)).any(dim=-1).sum(-1)
+    return (losses * mask).sum() / mask.sum(), overlap, student_mass.detach()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_verl_topk_kd_fuses_to_the_topk_and_gather_ops():
+    """verl's spelling: one site, the top-k op and the gather op over one lm_head; the loss and its
+    gradients, the overlap counts and masses as eager's."""
+    args = _kd_inputs(25)
+    (site,) = inductor_xent.explain(_verl_forward_kl_topk, *args).sites
+    assert site.fused and "top-k op (k=9, of the log-probs), gather op (k=9, of the log-probs)" in site.reason, site
+    assert "the top-k and gather ops recompute the logits in their backward" in site.reason
+    torch._dynamo.reset()
+    lv, le = _leaves(args[:2]), _leaves(args[:2])
+    got = torch.compile(_verl_forward_kl_topk, backend="inductor_xent")(*lv, *args[2:])
+    want = _verl_forward_kl_topk(*le, *args[2:])
+    assert torch.equal(got[1], want[1])
+    for a, b in zip(got[::2], want[::2]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(torch.autograd.grad(got[0], lv), torch.autograd.grad(want[0], le)):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
+
+
 def _fuses_as_eager(fn, words, args, rtol, atol):
     from torch._dynamo.testing import AotEagerAndRecordGraphs
 

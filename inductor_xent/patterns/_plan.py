@@ -554,8 +554,10 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
     as hints and their requires_grad: which gradients the graph will ask for)."""
     main = p.main_heads
     if not main:
-        ops = " and ".join(dict.fromkeys("gather" if h.kind == "gathered" else "top-k" for h, _ in p.heads))
-        return strategy.GradientPlan("recompute", reason=f"the {ops} op recomputes the logits in its backward")
+        ops = list(dict.fromkeys("gather" if h.kind == "gathered" else "top-k" for h, _ in p.heads))
+        what = f"the {ops[0]} op recomputes" if len(ops) == 1 else f"the {' and '.join(ops)} ops recompute"
+        return strategy.GradientPlan("recompute", reason=f"{what} the logits in their backward"
+                                     if len(ops) > 1 else f"{what} the logits in its backward")
     site, chain = main[0][0], p.logits
     if _dtensor.involved(chain):  # the vocabulary-parallel (DTensor) rules cover the recompute ops
         return strategy.GradientPlan("recompute", reason="no vocabulary-parallel store kernel")
