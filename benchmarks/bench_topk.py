@@ -23,7 +23,9 @@ What is timed, at the llama3-8b head by default (bf16):
 * ``gather_eager`` / ``gather_compile`` / ``gather_ours`` / ``gather_ours_compiled`` (opt-in): the
   student's side of top-k distillation from a teacher's stored top-k, the log-probs at T of k fixed
   random ids per row (``F.log_softmax(F.linear(h, w).float() / T, -1).gather(-1, ids)``) eagerly,
-  under torch.compile, ``inductor_xent.linear_gather`` and the spelling under the backend.
+  under torch.compile, ``inductor_xent.linear_gather`` and the spelling under the backend;
+  ``gather_logits_*`` the same for the logits at those ids (``F.linear(h, w).gather(-1, ids)``, the
+  student renormalised over the k), whose fused forward is k dot products per row.
 
 Forward alone and forward + backward (the values' gradient a random [N, k] tensor; the kept-set
 rows' a random [N]) with the extra peak memory of each. The kept-set methods also get errors on the
@@ -59,7 +61,8 @@ TOP_P = 0.9
 TARGET_FWD_VS_CUBLAS = 1.15
 # timed only when named in --methods
 OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile", "nucleus_bisect", "nucleus_sort", "gather_eager",
-          "gather_compile", "gather_ours", "gather_ours_compiled")
+          "gather_compile", "gather_ours", "gather_ours_compiled", "gather_logits_eager", "gather_logits_compile",
+          "gather_logits_ours", "gather_logits_ours_compiled")
 ERR_ROWS = 512
 
 
@@ -69,6 +72,10 @@ def spelling(h, w, k):
 
 def gathered(h, w, ids):
     return F.log_softmax(F.linear(h, w).float() / T, -1).gather(-1, ids)
+
+
+def gathered_logits(h, w, ids):
+    return F.linear(h, w).gather(-1, ids).float()
 
 
 @functools.cache
@@ -101,6 +108,8 @@ def methods(k):
     fused = torch.compile(spelling, backend="inductor_xent", dynamic=False)
     gather_compiled = torch.compile(gathered, dynamic=False)
     gather_fused = torch.compile(gathered, backend="inductor_xent", dynamic=False)
+    logits_compiled = torch.compile(gathered_logits, dynamic=False)
+    logits_fused = torch.compile(gathered_logits, backend="inductor_xent", dynamic=False)
 
     def at(fn):  # the method over the teacher's ids of these shapes
         return lambda h, w, ids: fn(h, w, teacher_ids(h.shape[0], w.shape[0], k, str(h.device)))
@@ -122,6 +131,10 @@ def methods(k):
         "gather_compile": at(gather_compiled),
         "gather_ours": at(lambda h, w, i: inductor_xent.linear_gather(h, w, i, log_probs=True, temperature=T)),
         "gather_ours_compiled": at(gather_fused),
+        "gather_logits_eager": at(gathered_logits),
+        "gather_logits_compile": at(logits_compiled),
+        "gather_logits_ours": at(lambda h, w, i: inductor_xent.linear_gather(h, w, i)),
+        "gather_logits_ours_compiled": at(logits_fused),
     }
 
 

@@ -7,12 +7,20 @@ With ``u = softcap·tanh(z·scale/softcap)`` (``u = z·scale`` without a softcap
 folded in as for the log-prob op, ``options.fold_temperature``) and ``z = hidden @ weight.T + bias``,
 the values are ``u[n, index[n, j]]``, minus each row's ``logsumexp(u)`` with ``log_probs``.
 
-The op runs over the top-k op's row chunks (topk.py): each chunk's logits from one GEMM (cuBLAS on
-CUDA: the same logits as eager's matmul), the chunk's columns gathered and, for log-probs, its
-logsumexp in one more pass over the chunk (compiled by Inductor on CUDA). The backward recomputes
-each chunk's logits and writes ``dz`` whole: ``−softmax(u)·Σ_j g_j`` on every column (log-probs), the
-incoming gradients added at the gathered columns, then ``dz @ W`` and ``dzᵀ @ h`` (three GEMMs per
-chunk, as eager's backward after its own forward: 4/3 of eager's GEMM work, O(chunk) memory).
+Log-probs need each row's logsumexp, so every logit: the op runs over the top-k op's row chunks
+(topk.py), each chunk's logits from one GEMM (cuBLAS on CUDA: the same logits as eager's matmul),
+the chunk's columns gathered and its logsumexp in one more pass over the chunk (compiled by Inductor
+on CUDA). The backward recomputes each chunk's logits and writes ``dz`` whole:
+``−softmax(u)·Σ_j g_j`` on every column, the incoming gradients added at the gathered columns, then
+``dz @ W`` and ``dzᵀ @ h`` (three GEMMs per chunk, as eager's backward after its own forward: 4/3 of
+eager's GEMM work, O(chunk) memory).
+
+The logits alone need only their k columns (``_picked_logits``): k dot products per row, each summed
+in the compute dtype and rounded once to the inputs' dtype, as the GEMM rounds eager's logits
+(N·k·D multiply-adds: k/V of the GEMM's). Their backward (``_picked_backward``) is one GEMM, against
+eager's two: the hidden states' gradient from the k weight rows of each row, the weight's
+``dzᵀ @ h`` over chunks of vocabulary columns of a ``dz`` that holds the k gradients of each row.
+
 An id that appears twice in a row gets both gradients, as eager's gather gives them: each row's
 gradients are summed over equal ids in a fixed order (``_run_sums``), so the result is
 deterministic, with no atomics.
@@ -33,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import topk
+from . import config, topk
 from .ops import _without_autocast
 from .options import compute_dtype
 
@@ -44,6 +52,10 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tens
     cd = compute_dtype(hidden.dtype)
     values = hidden.new_empty((n, k), dtype=cd)
     lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
+    if not log_probs:  # the k logits of each row alone: k dot products, no GEMM over the vocabulary
+        for sl, z in _picked_logits(hidden, weight, bias, index):
+            values[sl] = topk._scaled(z, logit_scale, softcap)[0]
+        return values, lse
     step = topk.chunk_rows(n, v, hidden.device, hidden.element_size() + 2)  # the chunk's logits, the lse's pass
     lse_fn = topk._for(hidden.device, topk._lse_of)
     for start in range(0, n, step):
@@ -54,6 +66,75 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tens
             lse[sl] = lse_fn(z, logit_scale, softcap)
             values[sl] -= lse[sl, None]
     return values, lse
+
+
+def _picked_rows(n: int, k: int, d: int, device: torch.device) -> int:
+    """Rows per chunk of ``_picked_logits``: their k weight rows, gathered in the compute dtype (fp32),
+    within the top-k op's chunk budget."""
+    budget = topk.CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
+    return max(1, min(n, budget // max(1, 4 * k * d)))
+
+
+def _picked_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor):
+    """(rows, z) per row chunk: the logits at ``index`` (``z[n, j] = hidden[n] · weight[index[n, j]] +
+    bias[index[n, j]]``) in the inputs' dtype, each dot product summed in the compute dtype and
+    rounded once, as the logits GEMM rounds its output; and the chunk's gathered weight rows
+    (compute dtype) for the backward's hidden-state gradient."""
+    n, k, d = hidden.shape[0], index.shape[1], hidden.shape[1]
+    cd = compute_dtype(hidden.dtype)
+    step = _picked_rows(n, k, d, hidden.device)
+    for start in range(0, n, step):
+        sl = slice(start, min(n, start + step))
+        rows = weight.to(cd)[index[sl]] if weight.dtype == cd else weight[index[sl]].to(cd)  # (r, k, D)
+        z = torch.bmm(rows, hidden[sl].to(cd)[:, :, None])[:, :, 0]
+        if bias is not None:
+            z = z + bias[index[sl]].to(cd)
+        yield sl, z.to(hidden.dtype)
+
+
+def _picked_backward(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
+                     logit_scale: float, softcap: Optional[float], needs: tuple[bool, bool, bool]):
+    """The gradients of the logits at ``index`` (no logsumexp): dz is ``g·scale·sech²`` at the k
+    columns of each row and 0 elsewhere. The hidden states' gradient is k weight rows per row
+    (``Σ_j dz[n, j]·weight[index[n, j]]``); the weight's, dzᵀ @ hidden, one GEMM per chunk of
+    vocabulary columns over a dz written there (each column's rows summed by the GEMM: no atomics;
+    an id repeated in a row written once with its gradients' sum, ``_run_sums``); the bias's, that
+    dz's column sums. One GEMM in all, against eager's two."""
+    n, v, k, d = hidden.shape[0], weight.shape[0], index.shape[1], hidden.shape[1]
+    cd = compute_dtype(hidden.dtype)
+    need_h, need_w, need_b = needs
+    need_b = need_b and bias is not None
+    g = grad_values.to(cd)
+    dz = torch.empty_like(g)
+    for sl, z in _picked_logits(hidden, weight, bias, index):
+        _, x = topk._scaled(z, logit_scale, softcap)
+        dz[sl] = topk._dz_of_du(g[sl], x, logit_scale)
+    grad_h = hidden.new_empty(0)
+    if need_h:
+        grad_h = torch.empty_like(hidden)
+        step = _picked_rows(n, k, d, hidden.device)
+        for start in range(0, n, step):
+            sl = slice(start, min(n, start + step))
+            rows = weight[index[sl]].to(cd)  # (r, k, D)
+            grad_h[sl] = torch.bmm(dz[sl, None, :], rows)[:, 0].to(hidden.dtype)
+    grad_w = weight.new_empty(0)
+    grad_b = weight.new_empty(0) if not need_b else torch.zeros(v, dtype=cd, device=weight.device)
+    if need_w or need_b:
+        grad_w = torch.empty_like(weight) if need_w else grad_w
+        dz_in = _run_sums(index, dz).to(hidden.dtype)  # as eager's dz: in the logits' dtype
+        budget = topk.CUDA_CHUNK_BYTES if hidden.device.type == "cuda" else config.fallback_chunk_bytes
+        cols = max(1, min(v, budget // max(1, n * hidden.element_size()) - 1))
+        for c0 in range(0, v, cols):
+            c1 = min(v, c0 + cols)
+            # the chunk's dz, one spare column for the ids of other chunks (written there, then dropped)
+            block = hidden.new_zeros((n, c1 - c0 + 1))
+            at = torch.where((index >= c0) & (index < c1), index - c0, c1 - c0)
+            block.scatter_(1, at, dz_in)  # equal ids of a row write equal sums
+            if need_w:
+                torch.mm(block[:, : c1 - c0].t(), hidden, out=grad_w[c0:c1])
+            if need_b:
+                grad_b[c0:c1] = block[:, : c1 - c0].sum(0, dtype=cd)
+    return grad_h, grad_w, grad_b.to(bias.dtype) if need_b else grad_b
 
 
 def _run_sums(index: Tensor, g: Tensor) -> Tensor:
@@ -95,8 +176,11 @@ def _(hidden, weight, bias, index, logit_scale, softcap, log_probs):
 def linear_gather_bwd(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
                       lse: Tensor, logit_scale: float, softcap: Optional[float], log_probs: bool, needs_hidden: bool,
                       needs_weight: bool, needs_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
-    return topk._backward(grad_values, hidden, weight, bias, index, lse, logit_scale, softcap, log_probs,
-                          (needs_hidden, needs_weight, needs_bias), _run_sums)
+    needs = (needs_hidden, needs_weight, needs_bias)
+    if not log_probs:
+        return _picked_backward(grad_values, hidden, weight, bias, index, logit_scale, softcap, needs)
+    return topk._backward(grad_values, hidden, weight, bias, index, lse, logit_scale, softcap, log_probs, needs,
+                          _run_sums)
 
 
 @linear_gather_bwd.register_fake
