@@ -27,8 +27,8 @@ deterministic, with no atomics.
 
 ``inductor_xent::linear_gather(hidden, weight, bias, index, logit_scale, softcap, log_probs) ->
 (values, lse)``: values ``(N, k)`` in the compute dtype (fp32 for 16-bit inputs), lse ``(N,)``
-(empty ``(0,)`` without ``log_probs``; not differentiable). Ids outside ``[0, V)`` raise as eager's
-gather does (a device-side assert on CUDA). Its backward is
+(empty ``(0,)`` without ``log_probs``; not differentiable). Ids outside ``[0, V)`` raise, as eager's
+gather does (a device-side assert on CUDA; on CPU an IndexError where only the k columns are read). Its backward is
 ``inductor_xent::linear_gather_bwd(grad_values, hidden, weight, bias, index, lse, logit_scale,
 softcap, log_probs, needs_hidden, needs_weight, needs_bias) -> (grad_hidden, grad_weight, grad_bias)``.
 """
@@ -75,6 +75,12 @@ def _picked_rows(n: int, k: int, d: int, device: torch.device) -> int:
     return max(1, min(n, budget // max(1, 4 * k * d)))
 
 
+def _rows(t: Tensor, index: Tensor) -> Tensor:
+    """``t[index]`` for ids in ``[0, len(t))``, raising on any other (a negative id would wrap in Python's
+    indexing; eager's gather raises on it)."""
+    return t.index_select(0, index.reshape(-1)).view(*index.shape, *t.shape[1:])
+
+
 def _picked_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor):
     """(rows, z) per row chunk: the logits at ``index`` (``z[n, j] = hidden[n] · weight[index[n, j]] +
     bias[index[n, j]]``) in the inputs' dtype, each dot product summed in the compute dtype and
@@ -85,10 +91,10 @@ def _picked_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index
     step = _picked_rows(n, k, d, hidden.device)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
-        rows = weight.to(cd)[index[sl]] if weight.dtype == cd else weight[index[sl]].to(cd)  # (r, k, D)
+        rows = _rows(weight, index[sl]).to(cd)  # (r, k, D)
         z = torch.bmm(rows, hidden[sl].to(cd)[:, :, None])[:, :, 0]
         if bias is not None:
-            z = z + bias[index[sl]].to(cd)
+            z = z + _rows(bias, index[sl]).to(cd)
         yield sl, z.to(hidden.dtype)
 
 
@@ -115,7 +121,7 @@ def _picked_backward(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: 
         step = _picked_rows(n, k, d, hidden.device)
         for start in range(0, n, step):
             sl = slice(start, min(n, start + step))
-            rows = weight[index[sl]].to(cd)  # (r, k, D)
+            rows = _rows(weight, index[sl]).to(cd)  # (r, k, D)
             grad_h[sl] = torch.bmm(dz[sl, None, :], rows)[:, 0].to(hidden.dtype)
     grad_w = weight.new_empty(0)
     grad_b = weight.new_empty(0) if not need_b else torch.zeros(v, dtype=cd, device=weight.device)
@@ -252,6 +258,6 @@ def linear_gather(
     check_index(index, hidden)
     scale, cap = topk._scale_and_cap(temperature, logit_scale, softcap)
     k = index.shape[-1]
-    values, _ = GATHER(hidden.reshape(-1, hidden.shape[-1]), weight, bias, index.reshape(-1, k), scale, cap,
-                       bool(log_probs))
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    values, _ = GATHER(h2, weight, bias, index.reshape(h2.shape[0], k), scale, cap, bool(log_probs))
     return values.reshape(*hidden.shape[:-1], k)

@@ -110,11 +110,24 @@ def test_linear_gather_rejects(index, error, words):
         inductor_xent.linear_gather(h, w, index(ids), bias=b)
 
 
-def test_out_of_range_ids_raise_as_eagers_gather():
+@pytest.mark.parametrize("log_probs", [False, True])
+@pytest.mark.parametrize("bad", [V, -1])
+def test_out_of_range_ids_raise_as_eagers_gather(bad, log_probs):
+    """An id outside [0, V) raises, a negative one too (Python's indexing would wrap it to the last
+    column; the logits' path reads only the k weight rows)."""
     h, w, b, ids = _inputs()
-    ids[0, 0, 0] = V
-    with pytest.raises(RuntimeError, match="out of bounds"):
-        inductor_xent.linear_gather(h, w, ids, bias=b, log_probs=True)
+    ids[0, 0, 0] = bad
+    with pytest.raises((RuntimeError, IndexError), match="out of (bounds|range)"):
+        inductor_xent.linear_gather(h, w, ids, bias=b, log_probs=log_probs)
+
+
+def test_no_columns():
+    """k = 0: an empty result, as eager's gather gives (compiled: no site, eager's gather runs)."""
+    h, w, b, _ = _inputs()
+    ids = torch.empty(3, N // 3, 0, dtype=torch.long)
+    assert inductor_xent.linear_gather(h, w, ids, bias=b, log_probs=True).shape == ids.shape
+    fn = lambda x, W, i: F.log_softmax(x @ W.t(), -1).gather(-1, i)  # noqa: E731
+    assert inductor_xent.explain(fn, h, w, ids).sites == []
 
 
 @pytest.mark.parametrize("log_probs", [False, True])
@@ -175,7 +188,17 @@ def _ce_and_topk_kd(x, W, ids, t_lp, mask):
     return 0.5 * ce + 0.5 * (t_lp.exp() * (t_lp - s_lp)).sum(-1).mean() * 4.0
 
 
+def _topk_kd_then_ce(x, W, ids, t_lp, mask):
+    """The distillation first, at its temperature, then the hard-label loss at T = 1: the site's op
+    reads the cross-entropy's logits, the gather op its own scale."""
+    z = x @ W.t()
+    s_lp = F.log_softmax(z / 2.0, -1).gather(-1, ids)
+    kd = (t_lp.exp() * (t_lp - s_lp)).sum(-1).mean()
+    return kd + F.cross_entropy(z.flatten(0, 1), ids[..., 0].flatten())
+
+
 SPELLINGS = {"topk_kd": (_topk_kd, "gather op (k=9, of the log-probs)"),
+             "topk_kd_then_ce": (_topk_kd_then_ce, "gather op (k=9, of the log-probs), reduction=mean"),
              "renormalised": (_topk_kd_renormalised, "gather op (k=9, of the logits)"),
              "probs": (_probs_at_ids, "gather op (k=9, of the probs)"),
              "ce_and_topk_kd": (_ce_and_topk_kd, "gather op (k=9, of the log-probs)")}
@@ -254,6 +277,19 @@ def test_gather_spellings_fuse_with_eager_results(name):
     in AOTAutograd's graphs, the loss and gradients as eager's."""
     fn, words = SPELLINGS[name]
     _fuses_as_eager(fn, words, _kd_inputs(21), 1e-5, 1e-6)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_dynamic_k_is_one_graph():
+    """dynamic=True: k symbolic too, one graph for every k (the op's rows and columns read from the ids)."""
+    fn = lambda x, W, i: F.log_softmax(x @ W.t(), -1).gather(-1, i)  # noqa: E731
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(fn, backend="inductor_xent", dynamic=True)
+    for seed, k in ((30, 4), (31, 7)):
+        h, w, _, ids = _inputs(seed=seed, bias=False, k=k)
+        torch.testing.assert_close(compiled(h, w, ids), fn(h, w, ids), rtol=1e-5, atol=1e-5)
+    assert counters["inductor_xent"]["sites_fused"] == 1
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

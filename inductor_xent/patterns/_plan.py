@@ -154,7 +154,9 @@ def decide(gm, heads: list, allow_escaping: bool, can_return: bool = False,
     (their slices are not other users of the logits)."""
     siblings = siblings or []
     site = heads[0][0]
-    chain = next((c for h, c in heads if h.kind != "argmax"), heads[0][1])
+    # the op's logits: a head's that reads them as they are (an argmax, top-k or gather may read them at
+    # another positive scale or temperature: its own op, or a monotone view)
+    chain = next((c for h, c in heads if h.kind not in ("argmax", *OWN_OP)), heads[0][1])
     reason = _heads_reason(heads, chain) or _inputs_reason(heads, chain)
     if reason:
         return Decline(None, site.loss, reason)

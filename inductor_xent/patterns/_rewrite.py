@@ -337,7 +337,8 @@ def _gathered(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: flo
               no_grad: frozenset = frozenset()) -> None:
     """One gather head: gathered.py's op over the site's operands and the ids flattened to ``[N, k]``,
     its values (exponentials for a softmax's) shaped as the gather's, in place of the gather."""
-    index = e.method("reshape", h.index, -1, h.k)
+    k = e.method("size", h.index, -1)  # (a symbolic k under dynamic shapes)
+    index = e.method("reshape", h.index, e.method("size", operands[0], 0), k)
     out = e.call(gathered.GATHER, *operands, index, scale, cap, h.normalised != "logits")
     values = e.getitem(out, 0)
     if h.normalised == "probs":

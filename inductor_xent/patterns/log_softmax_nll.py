@@ -97,11 +97,11 @@ def _match_gather(node: Node):
     lp, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
     ls = log_probs_of(lp)
     tl, ti = tval(lp), tval(index)
-    if tl is None or ti is None or tl.dim() < 2 or norm_dim(dim, tl.dim()) != tl.dim() - 1:
+    if tl is None or ti is None or norm_dim(dim, tl.dim()) != tl.dim() - 1:
         return None
-    if ls is None or (ti.dim() == tl.dim() and not same(ti.shape[-1], 1)):
+    if tl.dim() >= 2 and (ls is None or (ti.dim() == tl.dim() and not same(ti.shape[-1], 1))):
         return _match_columns(node, lp, index, ls)
-    if node.kwargs.get("sparse_grad"):
+    if ls is None or node.kwargs.get("sparse_grad"):
         return None
     decline = functools.partial(Decline, PATTERN, node, logits=ls.logits, kind="log_probs")
     if ls.dim != tl.dim() - 1:
@@ -124,7 +124,7 @@ def _match_columns(node: Node, src: Node, index: Node, ls):
     teacher ids (``F.log_softmax(s / T, -1).gather(-1, ids)``; the logits gathered, then normalised
     over the k: ``s.gather(-1, ids)``): a ``gathered`` head (gathered.py's op), or None where ``src``
     is none of these (a gather of a per-token value, of a router's few columns)."""
-    from ._logits import is_matmul
+    from ._logits import is_matmul, trace
     from ._steps import MATCHERS
     from .topk import MIN_VOCAB
 
@@ -135,10 +135,10 @@ def _match_columns(node: Node, src: Node, index: Node, ls):
         of, logits, consumed, lse = "log_probs", ls.logits, ls.nodes, ls.lse
     elif p is not None:
         of, logits, consumed, lse = "probs", p.logits, p.nodes, p.lse
-    elif not (is_matmul(src) or is_call(src, tuple(MATCHERS))):
-        return None  # a gather of something computed from the logits (per-token values)
-    if (hint(tl.shape[-1]) or 0) < MIN_VOCAB or ti.dim() != tl.dim() or same(ti.shape[-1], 1):
-        return None  # a router's few columns; one column per row is a target's (the heads above)
+    elif not (is_matmul(src) or is_call(src, tuple(MATCHERS))) or isinstance(trace(src), Decline):
+        return None  # a gather of something computed from the logits (per-token values), or of no lm_head's
+    if (hint(tl.shape[-1]) or 0) < MIN_VOCAB or ti.dim() != tl.dim() or (hint(ti.shape[-1]) or 0) < 2:
+        return None  # a router's few columns; one column per row is a target's (the heads above); no column
     decline = functools.partial(Decline, PATTERN, node, logits=logits, kind="gathered")
     if (ls or p) is not None and (ls or p).dim != tl.dim() - 1:
         return decline(f"a {of.replace('_', '-')} gather over dim {(ls or p).dim}, not the vocabulary (last) dim")
@@ -146,9 +146,7 @@ def _match_columns(node: Node, src: Node, index: Node, ls):
         return decline("gather(..., sparse_grad=True) is not fused")
     if not all(same(a, b) for a, b in zip(ti.shape[:-1], tl.shape[:-1])):
         return decline("gather index does not cover the logits' rows one to one")
-    if not isinstance(ti.shape[-1], int):
-        return decline("a gather of a symbolic number of columns per row")
     if ti.dtype != torch.long:
         return decline(f"gather index of dtype {ti.dtype}")
-    return Head(PATTERN, node, logits, None, consumed, kind="gathered", needs_lse_of=lse, k=int(ti.shape[-1]),
+    return Head(PATTERN, node, logits, None, consumed, kind="gathered", needs_lse_of=lse, k=hint(ti.shape[-1]),
                 normalised=of, index=index)
