@@ -35,6 +35,7 @@ indices (minus the softmax times their sum for log-probs): deterministic, no ato
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -745,6 +746,8 @@ def _check_k(k, v: int, name: str = "k") -> int:
 
 
 def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
     if weight.dim() != 2 or hidden.dim() < 1 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(f"hidden [..., D] and weight [V, D] do not match: {tuple(hidden.shape)}, "
                          f"{tuple(weight.shape)}")
@@ -754,6 +757,10 @@ def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 
 
 def _scale_and_cap(temperature, logit_scale, softcap) -> tuple[float, Optional[float]]:
+    if not math.isfinite(float(logit_scale)):
+        raise ValueError(f"logit_scale must be finite, got {logit_scale}")
+    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
     return options.fold_temperature(float(logit_scale), None if softcap is None else float(softcap),
                                     options.check_temperature(temperature))
 

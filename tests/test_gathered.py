@@ -110,6 +110,21 @@ def test_linear_gather_rejects(index, error, words):
         inductor_xent.linear_gather(h, w, index(ids), bias=b)
 
 
+@pytest.mark.parametrize("kw, error, words", [
+    (dict(softcap=0.0), ValueError, "softcap must be None or a finite number > 0"),
+    (dict(softcap=-3.0), ValueError, "softcap must be None or a finite number > 0"),
+    (dict(logit_scale=float("nan")), ValueError, "logit_scale must be finite"),
+    (dict(temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+    (dict(integer=True), TypeError, "hidden must be a floating-point tensor"),
+])
+def test_linear_gather_rejects_options(kw, error, words):
+    h, w, b, ids = _inputs()
+    if kw.pop("integer", False):
+        h, w, b = h.long(), w.long(), None
+    with pytest.raises(error, match=words):
+        inductor_xent.linear_gather(h, w, ids, bias=b, **kw)
+
+
 @pytest.mark.parametrize("log_probs", [False, True])
 @pytest.mark.parametrize("bad", [V, -1])
 def test_out_of_range_ids_raise_as_eagers_gather(bad, log_probs):
