@@ -947,18 +947,83 @@ def test_declines_say_why():
                       reduction="none")
         return kl[y != -100].mean() + 0.5 * F.cross_entropy(s.view(-1, V), y.view(-1))
 
+    def hidden_written(hs, ws, ht, wt, **_):  # the op reads the hidden states at the loss: after the write
+        h = hs * 1.0
+        s = F.linear(h, ws)
+        h.mul_(2.0)
+        return F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+
+    def running_sum(hs, ws, ht, wt, **_):  # a write to a running sum of other terms changes nothing it reads
+        total = (hs * 0).sum()
+        s = F.linear(hs, ws)
+        total += 1.0
+        return total + F.kl_div(F.log_softmax(s, -1), F.softmax(F.linear(ht, wt).detach(), -1), reduction="batchmean")
+
+    assert inductor_xent.explain(running_sum, **ins).fused_count == 1
     for fn, words in ((shifted, "shifted by a number inside the cap"), (other_user, "other users"),
-                      (masked_mean_with_labels, "mean of a divergence's masked elements"),
-                      (smoothed_labels, "label smoothing"), (scaled_labels, "other logits than the student's raw"),
-                      (uncapped_labels, "capped otherwise"), (detached_labels, "differ in gradient"),
-                      (logged_labels, "differ in gradient"), (other_mask_with_labels, "masked otherwise")):
+                      (hidden_written, "Tensor.mul_ writes a tensor between the lm_head matmuls and the loss (a "
+                                       "head's hidden states")):
         report = inductor_xent.explain(fn, **ins)
         assert any(s.pattern == "distillation" and not s.fused and words in s.reason for s in report.sites), str(report)
+    # a cross-entropy the divergence's op cannot mix in is a head of its own beside it (test_heads_beside_...)
+    for fn in (masked_mean_with_labels, smoothed_labels, scaled_labels, uncapped_labels, detached_labels,
+               logged_labels, other_mask_with_labels):
+        report = inductor_xent.explain(fn, **ins)
+        assert report.fused_count == len(report.sites) == 2, str(report)
+        assert "heads, each an op of its own" in next(s.reason for s in report.sites if s.pattern == "distillation")
+
+
+def _sum_ce_and_kd(hs, ws, ht, wt, y, **_):
+    """HF's loss with ``num_items_in_batch`` (the cross-entropy summed, over a count) beside Hinton's KD:
+    the op's mix takes a mean cross-entropy only, so the two are ops of their own."""
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    ce = F.cross_entropy(s.float().view(-1, V), y.view(-1), reduction="sum") / (y != -100).sum()
+    kd = F.kl_div(F.log_softmax(s / 2.0, -1), F.softmax(t / 2.0, -1), reduction="batchmean") * 4.0
+    return 0.5 * ce + 0.5 * kd
+
+
+def _torchtune_kd_recipe(hs, ws, ht, wt, y, chunks=2, ratio=0.5, **_):
+    """torchtune's knowledge_distillation recipe over its chunked output: ``CEWithChunkedOutputLoss``
+    and ``ForwardKLWithChunkedOutputLoss`` of the same student chunks, each summed over the chunks and
+    divided by its own count, mixed ``(1 − r)·CE + r·KD``."""
+    student = [F.linear(c, ws) for c in hs.chunk(chunks, dim=1)]
+    with torch.no_grad():
+        teacher = [F.linear(c, wt) for c in ht.chunk(chunks, dim=1)]
+    labels = [c.reshape(-1) for c in y.chunk(chunks, dim=1)]
+    ce = 0.0
+    for s_chunk, l_chunk in zip(student, labels):
+        ce += F.cross_entropy(s_chunk.reshape(-1, s_chunk.size(-1)).float(), l_chunk, ignore_index=-100,
+                              reduction="sum")
+    ce = ce / (y != -100).sum()
+    kd = 0.0
+    for s_chunk, t_chunk, l_chunk in zip(student, teacher, labels):
+        kd += _torchtune_fkl(s_chunk.reshape(-1, s_chunk.size(-1)), t_chunk.reshape(-1, t_chunk.size(-1)), l_chunk,
+                             normalize=False)
+    kd = kd / torch.sum((y != -100).int().view(-1), dim=0)
+    return (1 - ratio) * ce + ratio * kd
+
+
+@pytest.mark.parametrize("fn, sites", [(_sum_ce_and_kd, 2), (_torchtune_kd_recipe, 4)])
+def test_heads_beside_the_divergence_fuse_as_ops_of_their_own(fn, sites):
+    """A cross-entropy of the student's logits that the divergence's op cannot mix in (summed over a
+    count, torchtune's chunks): the divergence one op, the cross-entropy another, each computing the
+    student's logits; eager's values and gradients, no [N, V] tensor left."""
+    ins = _inputs()
+    report = inductor_xent.explain(fn, **ins)
+    assert report.fused_count == len(report.sites) == sites, str(report)
+    assert all("heads, each an op of its own" in s.reason for s in report.sites if s.pattern == "distillation")
+    rec = Recorder()
+    assert_parity(fn, ins, rec, what=fn.__name__)
+    assert ops.DISTILL_FORWARD in rec.after[0] and fused_ops(rec.after[0]) == sites // 2
+    assert not logits_sized(rec.graphs, rows=B * T // (sites // 2)), "no [N, V] tensor is left in the graph"
 
 
 def test_labels_written_after_their_mask_decline_the_mix():
     """The CE mix masks the divergence by the CE's labels: a write to them after the mask was taken
-    (before the heads) would mask other rows than the user's, so the mix declines and says why."""
+    (before the heads) would mask other rows than the user's, so the mix declines; the divergence (its
+    mask as taken) and the cross-entropy (the labels as written) are then ops of their own, as eager."""
 
     def fn(hs, ws, ht, wt, y, **_):
         m = y != -100
@@ -970,7 +1035,7 @@ def test_labels_written_after_their_mask_decline_the_mix():
 
     ins = _inputs()
     report = inductor_xent.explain(fn, **{k: v.clone() for k, v in ins.items()})
-    assert report.fused_count == 0 and any("between the labels mask" in s.reason for s in report.sites), str(report)
+    assert report.fused_count == 2 and "heads, each an op of its own" in report.sites[0].reason, str(report)
     assert_parity(fn, ins, Recorder(), what="labels written")
 
 

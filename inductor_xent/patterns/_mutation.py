@@ -133,6 +133,24 @@ def first_write(firsts, last: Node) -> Optional[Node]:
     return next((n for n in last.graph.nodes if lo < order[n] < order[last] and writes(n)), None)
 
 
+def first_write_to(firsts, last: Node, reads: dict) -> Optional[tuple[Node, str]]:
+    """(the first node after the earliest of ``firsts`` and before ``last`` that writes a tensor sharing
+    storage with one of ``reads`` (node -> what it is), what it writes), or None: a write to anything
+    else (a running sum, ``total += loss``) changes nothing ``reads`` holds."""
+    graph = last.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    lo = min(order[n] for n in firsts)
+    storages = [(_storage(r), what) for r, what in reads.items()]
+    swapped = next((n for n in graph.nodes if swaps_storage(n)), None)
+    for n in graph.nodes:
+        if lo < order[n] < order[last]:
+            for w in writes(n):
+                what = reads.get(w) or _aliased(w, storages, swapped)
+                if what:
+                    return n, what
+    return None
+
+
 def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users, hoisted,
                    place: Optional[Node] = None) -> Optional[str]:
     """A reason when a write could change what the rewrite of ``heads`` (Heads over ``chain``;

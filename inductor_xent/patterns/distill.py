@@ -44,8 +44,11 @@ head's temperature folded into its scale (``LogitsChain.logit_scale``) and its s
 ``softcap_t`` (on the raw logits, ``_cap``; a cross-entropy mixed in must read the student's logits
 capped the same); a head computed without gradient (``torch.no_grad()``, ``.detach()``: the teacher)
 gets its inputs detached, a head with gradient gets them. A number added after the cap (modded-nanogpt's
-``a * sigmoid(z / s)``) changes no softmax and is dropped. Declines: a per-row or per-vocabulary tensor
-scale, a number added inside the cap, heads over two vocabularies, logits with other users.
+``a * sigmoid(z / s)``) changes no softmax and is dropped. Other heads of the pass over the student's
+logits that the op does not mix in (a summed or smoothed cross-entropy, torchtune's chunked recipe, a
+top-k) are ops of their own beside it (``_heads_beside``). Declines: a per-row or per-vocabulary tensor
+scale, a number added inside the cap, heads over two vocabularies, logits with other users (than such
+heads), a write between the heads and the loss to what the op reads.
 """
 
 from __future__ import annotations
@@ -525,18 +528,33 @@ def _check(f: dict) -> Optional[str]:
     if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
         return f"unsupported device(s) {sorted(map(str, devices))}"
     mine = set(f["nodes"]) | set(q.nodes) | set(p.nodes)
-    others = sorted({u.name for n in mine if n is not f["out"] for u in n.users if u not in mine})
+    others = {u for n in mine if n is not f["out"] for u in n.users if u not in mine}
     last, mix = f.get("anchor", f["out"]), None
     if others:  # the student's hard-label cross-entropy added to the divergence: one op for both
         mix = _hard_label_mix(f)
         if mix is not None and not isinstance(mix, str):
             last = mix["add"]
             mine |= set(mix["nodes"])
-            others = sorted({u.name for n in mine if n is not last for u in n.users if u not in mine})
-    # the op reads both heads' inputs at the loss: no write between the first matmul and the loss
-    written = _mutation.first_write((q.matmul, p.matmul), last)
+            others = {u for n in mine if n is not last for u in n.users if u not in mine}
+    if others and not isinstance(mix, dict):  # the student's logits read by heads the pass fuses apart
+        beside = _heads_beside(q, mine, others)
+        if beside:
+            f["beside"], others, mix = beside, set(), None
+    others = sorted(u.name for u in others)
+    # the op reads both heads' inputs (and the row mask or labels) at the loss: no write between the
+    # first matmul and the loss to those, to the logits or to what the divergence derives from them
+    # (a running sum of other terms, torchtune's ``total += ...``, may be written)
+    reads = {n: "the logits or what the divergence derives from them" for n in mine}
+    for c in (q, p):
+        reads.update({n: "a head's hidden states, weight or bias" for n in (c.hidden, c.weight, c.bias)
+                      if n is not None})
+    for n in (f.get("mask"), mix.get("target") if isinstance(mix, dict) else None):
+        if isinstance(n, Node):
+            reads[n] = "the row mask or the labels"
+    written = _mutation.first_write_to((q.matmul, p.matmul), last, reads)
     if written is not None:
-        return f"{_mutation.spelling(written)} writes a tensor between the lm_head matmuls and the loss"
+        return (f"{_mutation.spelling(written[0])} writes a tensor between the lm_head matmuls and the loss "
+                f"({written[1]})")
     if isinstance(mix, str):
         return mix
     if others:
@@ -546,6 +564,28 @@ def _check(f: dict) -> Optional[str]:
     if mix is not None:
         f["mix"] = mix
     return None
+
+
+def _heads_beside(q: _logits.LogitsChain, mine: set, others: set) -> Optional[list]:
+    """The kinds of the other heads over the student's lm_head (a cross-entropy, log-probs, a top-k:
+    the pass's idioms) when they account for every other user of its logits (``others``, outside the
+    divergence's nodes ``mine``), else None. Then the divergence is an op of its own and each of those
+    heads one later in the pass, each computing the student's logits again (one more GEMM forward and
+    in the backward) where the sum of the two (``_hard_label_mix``) is not the one op's: a
+    cross-entropy summed, or over other rows than the divergence's mask, or torchtune's chunks, whose
+    counts are tensors. Neither head's ``[N, V]`` logits stays."""
+    from . import _candidates, _match
+
+    covered, kinds = set(), []
+    for node, idioms in _candidates(q.matmul.graph).items():
+        found = _match(node, idioms)
+        if not isinstance(found, Head) or found.loss in mine:
+            continue
+        c = _logits.trace(found.logits)
+        if isinstance(c, _logits.LogitsChain) and c.matmul is q.matmul:
+            covered |= {*c.nodes, *found.consumed, found.loss, *found.aux}
+            kinds.append(found.kind)
+    return kinds if kinds and others <= covered else None
 
 
 def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
@@ -656,6 +696,8 @@ def _rewrite(gm: GraphModule, node: Node, f: dict, budget: str):
                               + (f", the student's hard-label cross-entropy mixed in ({mix['hard']:g} · CE + "
                                  f"{mix['soft']:g} · Σ KL)" if mix else "")
                               + (", the target head without gradient" if not any(needs[3:]) else "")
+                              + (f", the student's logits also read by {' and '.join(dict.fromkeys(f['beside']))} "
+                                 "heads, each an op of its own" if f.get("beside") else "")
                               + (MASKED if f.get("mask") is not None else ""),
                               node.name, ("distillation",), **_report.sizes(q), bytes_avoided=avoided,
                               strategy="store" if reduce != "none" and not recompute else "recompute",
