@@ -547,6 +547,23 @@ def logits_sized(graphs, rows: int = B * (T - 1)) -> list[str]:
     return found
 
 
+def recorded_pass(fn):
+    """``fn`` compiled with our pass then ``aot_eager``, recording AOTAutograd's graphs: (the compiled
+    function, the recorder, the list the pass's site reports are appended to)."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+
+    from inductor_xent import patterns
+
+    aot, sites = AotEagerAndRecordGraphs(), []
+
+    def backend(gm, example_inputs):
+        sites.extend(patterns.run(gm))
+        return aot(gm, example_inputs)
+
+    torch._dynamo.reset()
+    return torch.compile(fn, backend=backend), aot, sites
+
+
 def assert_all_smaller(graphs, numel: int):
     """Every tensor of ``graphs`` (AOTAutograd's, ``meta["val"]``) has fewer than ``numel`` elements:
     with ``numel`` = N·V, no logits are computed or saved there."""

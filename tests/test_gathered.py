@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import inductor_xent
 from inductor_xent import gathered, reference
 
-from .helpers import assert_all_smaller, assert_within_torch_error, fallback_chunks
+from .helpers import assert_all_smaller, assert_within_torch_error, fallback_chunks, recorded_pass
 
 N, D, V, K = 45, 24, 1031, 9  # V over the pass's MIN_VOCAB (fewer columns: a router's); N not a chunk multiple
 CUDA = torch.cuda.is_available()
@@ -260,22 +260,12 @@ def test_verl_topk_kd_fuses_to_the_topk_and_gather_ops():
 
 
 def _fuses_as_eager(fn, words, args, rtol, atol):
-    from torch._dynamo.testing import AotEagerAndRecordGraphs
-
-    from inductor_xent import patterns
-
     report = inductor_xent.explain(fn, *args)
     (site,) = report.sites
     assert site.fused and words in site.reason, report
-    aot, sites = AotEagerAndRecordGraphs(), []
-
-    def backend(gm, example_inputs):
-        sites.extend(patterns.run(gm))
-        return aot(gm, example_inputs)
-
-    torch._dynamo.reset()
+    compiled, aot, sites = recorded_pass(fn)
     lv, le = _leaves(args[:2]), _leaves(args[:2])
-    got = torch.compile(fn, backend=backend)(*lv, *args[2:])
+    got = compiled(*lv, *args[2:])
     want = fn(*le, *args[2:])
     assert [x.fused for x in sites] == [True]
     assert any(gathered.GATHER in {n.target for n in g.graph.nodes} for g in aot.fw_graphs)

@@ -343,18 +343,9 @@ def test_topk_spellings_fuse_with_eager_results(name):
     report = inductor_xent.explain(fn, h, w, y)
     (site,) = report.sites
     assert site.fused and words in site.reason, report
-    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    from .helpers import recorded_pass
 
-    from inductor_xent import patterns
-
-    aot, sites = AotEagerAndRecordGraphs(), []
-
-    def backend(gm, example_inputs):
-        sites.extend(patterns.run(gm))
-        return aot(gm, example_inputs)
-
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=backend)
+    compiled, aot, sites = recorded_pass(fn)
     lv, le = _leaves((h, w)), _leaves((h, w))
     got, want = compiled(lv[0], lv[1], y), fn(le[0], le[1], y)
     assert [x.fused for x in sites] == [True]
