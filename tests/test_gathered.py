@@ -339,6 +339,25 @@ def test_router_gather_is_no_candidate():
     assert inductor_xent.explain(route, h, gate, picked).sites == []
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_a_matmuls_columns_not_normalised_after_are_no_candidate():
+    """Inkling's relative-position bias: a [D, 1024] table's columns gathered per query and key
+    position, added to the attention scores: no vocabulary head (nothing normalises the k after), so
+    no site; the renormalised spelling is one."""
+    h, _, _, ids = _inputs(seed=26, bias=False)
+    table = torch.randn(D, 1024)
+
+    def position_bias(x, proj, i):
+        return (x @ proj).gather(-1, i.clamp(max=1023)).masked_fill(i > 1023, 0.0).sum()
+
+    def renormalised(x, proj, i):
+        return F.log_softmax((x @ proj).gather(-1, i.clamp(max=1023)).float() / 2.0, -1).sum()
+
+    assert inductor_xent.explain(position_bias, h, table, ids).sites == []
+    (site,) = inductor_xent.explain(renormalised, h, table, ids).sites
+    assert site.fused and "gather op (k=9, of the logits)" in site.reason, site
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the cuBLAS logits)")
 @pytest.mark.parametrize("log_probs", [False, True])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,7 @@ from torch.fx import Node
 
 from ._fx import arg, bind, hint, is_call, norm_dim, same, tval
 from ._site import (
+    SOFTMAX,
     Decline,
     Head,
     integer_target,
@@ -32,7 +34,7 @@ from ._site import (
     unbroadcast,
     vocab_last,
 )
-from ._steps import VIEWS, step_of
+from ._steps import CAST_METHODS, VIEWS, step_of
 
 PATTERN = "log_softmax_nll"
 TARGETS = (F.nll_loss, torch.gather, "gather")
@@ -118,12 +120,31 @@ def _match_gather(node: Node):
                     kind="log_probs")
 
 
+_SCALES = (operator.truediv, operator.mul, torch.div, torch.mul, "div", "mul", *CAST_METHODS)
+
+
+def _renormalised(node: Node, depth: int = 4) -> bool:
+    """Whether the gathered logits are normalised over their k columns after (``F.log_softmax(s / T,
+    -1)`` or a softmax, through scales by numbers and casts): the student renormalised over a
+    teacher's top-k ids, what makes a gather of k logits a distribution's."""
+    for user in node.users:
+        found = log_softmax(user) or log_softmax(user, SOFTMAX)
+        if found is not None and found[0] is node and norm_dim(found[1], tval(node).dim()) == tval(node).dim() - 1:
+            return True
+        scaled = is_call(user, _SCALES) and user.args and user.args[0] is node \
+            and all(not isinstance(a, Node) for a in user.args[1:])
+        if depth > 1 and scaled and _renormalised(user, depth - 1):
+            return True
+    return False
+
+
 def _match_columns(node: Node, src: Node, index: Node, ls):
     """A gather of several columns of each row (``index[..., k]``, k > 1) of the log-probs (``ls``),
     the probabilities or the logits themselves: the student's side of top-k distillation from stored
     teacher ids (``F.log_softmax(s / T, -1).gather(-1, ids)``; the logits gathered, then normalised
-    over the k: ``s.gather(-1, ids)``): a ``gathered`` head (gathered.py's op), or None where ``src``
-    is none of these (a gather of a per-token value, of a router's few columns)."""
+    over the k: ``F.log_softmax(s.gather(-1, ids) / T, -1)``): a ``gathered`` head (gathered.py's
+    op), or None where ``src`` is none of these (a gather of a per-token value, of a router's few
+    columns, of logits not normalised over the k after)."""
     from ._logits import is_matmul, trace
     from ._steps import MATCHERS
     from .topk import MIN_VOCAB
@@ -135,8 +156,11 @@ def _match_columns(node: Node, src: Node, index: Node, ls):
         of, logits, consumed, lse = "log_probs", ls.logits, ls.nodes, ls.lse
     elif p is not None:
         of, logits, consumed, lse = "probs", p.logits, p.nodes, p.lse
-    elif not (is_matmul(src) or is_call(src, tuple(MATCHERS))) or isinstance(trace(src), Decline):
-        return None  # a gather of something computed from the logits (per-token values), or of no lm_head's
+    elif not (is_matmul(src) or is_call(src, tuple(MATCHERS))) or isinstance(trace(src), Decline) \
+            or not _renormalised(node):
+        # a gather of something computed from the logits (per-token values), of no lm_head's, or of a
+        # matmul's columns not normalised after (a relative-position bias table's, Inkling's)
+        return None
     if (hint(tl.shape[-1]) or 0) < MIN_VOCAB or ti.dim() != tl.dim() or (hint(ti.shape[-1]) or 0) < 2:
         return None  # a router's few columns; one column per row is a target's (the heads above); no column
     decline = functools.partial(Decline, PATTERN, node, logits=logits, kind="gathered")
