@@ -212,7 +212,18 @@ def _topk_kd_then_ce(x, W, ids, t_lp, mask):
     return kd + F.cross_entropy(z.flatten(0, 1), ids[..., 0].flatten())
 
 
+def _slim(x, W, ids, t_lp, mask):
+    """DistillKit's SlimEstimator: the student's logits of flattened rows gathered at the teacher's
+    stored ids, viewed back, both renormalised over the k at T, the KL over the k, a masked mean."""
+    z = F.linear(x, W)
+    b, s, k = ids.shape
+    picked = torch.gather(z.view(b * s, -1), 1, ids.view(b * s, k)).view(b, s, k)
+    loss = F.kl_div(F.log_softmax(picked / 2.0, dim=-1), F.softmax(t_lp / 2.0, dim=-1), reduction="none").sum(-1)
+    return (loss * mask).sum() / mask.sum().clamp(min=1)
+
+
 SPELLINGS = {"topk_kd": (_topk_kd, "gather op (k=9, of the log-probs)"),
+             "distillkit_slim": (_slim, "gather op (k=9, of the logits)"),
              "topk_kd_then_ce": (_topk_kd_then_ce, "gather op (k=9, of the log-probs), reduction=mean"),
              "renormalised": (_topk_kd_renormalised, "gather op (k=9, of the logits)"),
              "probs": (_probs_at_ids, "gather op (k=9, of the probs)"),

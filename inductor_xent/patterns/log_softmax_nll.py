@@ -125,7 +125,8 @@ _SCALES = (operator.truediv, operator.mul, torch.div, torch.mul, "div", "mul", *
 
 def _renormalised(node: Node, depth: int = 4) -> bool:
     """Whether the gathered logits are normalised over their k columns after (``F.log_softmax(s / T,
-    -1)`` or a softmax, through scales by numbers and casts): the student renormalised over a
+    -1)`` or a softmax, through scales by numbers, casts and views that keep the k columns last): the
+    student renormalised over a
     teacher's top-k ids, what makes a gather of k logits a distribution's."""
     for user in node.users:
         found = log_softmax(user) or log_softmax(user, SOFTMAX)
@@ -133,7 +134,9 @@ def _renormalised(node: Node, depth: int = 4) -> bool:
             return True
         scaled = is_call(user, _SCALES) and user.args and user.args[0] is node \
             and all(not isinstance(a, Node) for a in user.args[1:])
-        if depth > 1 and scaled and _renormalised(user, depth - 1):
+        # (a view that keeps the k columns last: DistillKit's gather of flattened rows, viewed back)
+        kept = is_call(user, VIEWS) and tval(user) is not None and same(tval(user).shape[-1], tval(node).shape[-1])
+        if depth > 1 and (scaled or kept) and _renormalised(user, depth - 1):
             return True
     return False
 
