@@ -1020,6 +1020,74 @@ def test_heads_beside_the_divergence_fuse_as_ops_of_their_own(fn, sites):
     assert not logits_sized(rec.graphs, rows=B * T // (sites // 2)), "no [N, V] tensor is left in the graph"
 
 
+def _masked_rows(hs, ws, ht, wt, mf):
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    rows = F.kl_div(F.log_softmax(s, -1), F.softmax(t, -1), reduction="none").sum(-1)
+    return (rows * mf).sum() / mf.sum()
+
+
+def _float_mask_written(hs, ws, ht, wt, y, **_):  # eager reads the written float mask, the op its boolean
+    mf = (y != -100).float()
+    mf[:, 1] = 0.0
+    return _masked_rows(hs, ws, ht, wt, mf)
+
+
+def _bool_written_after_cast(hs, ws, ht, wt, y, **_):  # eager reads the cast taken before the write
+    m = y != -100
+    mf = m.float()
+    m[:, 1] = False
+    return _masked_rows(hs, ws, ht, wt, mf)
+
+
+def _bool_written_before_cast(hs, ws, ht, wt, y, **_):  # both read the written mask: fuses
+    m = y != -100
+    m[:, 1] = False
+    return _masked_rows(hs, ws, ht, wt, m.float())
+
+
+def _teacher_written_after_the_loss(hs, ws, ht, wt, y, **_):  # eager's no-grad teacher linear saved nothing
+    with torch.no_grad():
+        h2 = ht * 1.0
+        t = F.linear(h2, wt)
+    loss = F.kl_div(F.log_softmax(F.linear(hs, ws), -1), F.softmax(t, -1), reduction="none").sum(-1).mean()
+    with torch.no_grad():
+        h2.zero_()
+    return loss
+
+
+def _ce_logits_read_elsewhere(hs, ws, ht, wt, y, **_):  # the CE beside the KD would decline: both stay
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    sf = s.float()
+    ce = F.cross_entropy(sf.view(-1, V), y.view(-1), reduction="sum") / (y != -100).sum()
+    kd = F.kl_div(F.log_softmax(s / 2, -1), F.softmax(t / 2, -1), reduction="batchmean")
+    return ce + kd + 1e-4 * sf.pow(2).mean()
+
+
+@pytest.mark.parametrize("fn, fused, words", [
+    (_float_mask_written, 0, "writes the row mask or its cast after the cast"),
+    (_bool_written_after_cast, 0, "writes the row mask or its cast after the cast"),
+    (_bool_written_before_cast, 1, ""),
+    (_teacher_written_after_the_loss, 0, "after the loss, and the fused op's backward reads it"),
+    (_ce_logits_read_elsewhere, 0, "other users"),
+])
+def test_writes_and_readers_the_divergence_must_see(fn, fused, words):
+    """The review of 6055f45: a row mask written between its cast and the loss (the op reads the
+    boolean, eager its cast); a head's input written after the loss (the op saves it, eager's no-grad
+    linear did not: its backward failed); a cross-entropy beside the divergence whose logits have
+    another reader (it declines: the divergence alone would leave the logits and add an op). Each
+    declines with the reason, or fuses where both read the same, with eager's values."""
+    ins = _inputs()  # (the student's tensors train, as in the compiled run)
+    report = inductor_xent.explain(fn, **{k: v.clone().requires_grad_(k in ("hs", "ws")) if v.is_floating_point()
+                                          else v.clone() for k, v in ins.items()})
+    assert report.fused_count == fused, str(report)
+    assert all(words in site.reason for site in report.sites if not site.fused), str(report)
+    assert_parity(fn, {k: v.clone() for k, v in ins.items()}, Recorder(), what=fn.__name__)
+
+
 def test_labels_written_after_their_mask_decline_the_mix():
     """The CE mix masks the divergence by the CE's labels: a write to them after the mask was taken
     (before the heads) would mask other rows than the user's, so the mix declines; the divergence (its

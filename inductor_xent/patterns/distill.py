@@ -275,10 +275,14 @@ def _masked_sum(f: dict) -> dict:
     mask = _bool_source(other)
     if mask is None or tval(other).shape != tval(viewed).shape:
         return f
+    chain = [other]  # the mask as the product reads it, back to the boolean the op reads (its casts, views)
+    while chain[-1] is not mask:
+        chain.append(chain[-1].args[0])
     total = next(iter(mul.users)) if len(mul.users) == 1 else None
-    if total is None or not _whole_sum(total):
-        return dict(f, mask=mask, anchor=mul)  # the op goes where the mask exists: before the product
-    return dict(f, reduce="sum", out=total, inp=mul, mask=mask, nodes=(total, mul, *views, *f["nodes"]))
+    if total is None or not _whole_sum(total):  # the op goes where the mask exists: before the product
+        return dict(f, mask=mask, mask_chain=tuple(chain), anchor=mul)
+    return dict(f, reduce="sum", out=total, inp=mul, mask=mask, mask_chain=tuple(chain),
+                nodes=(total, mul, *views, *f["nodes"]))
 
 
 def _whole_sum(node: Node) -> bool:
@@ -555,6 +559,23 @@ def _check(f: dict) -> Optional[str]:
     if written is not None:
         return (f"{_mutation.spelling(written[0])} writes a tensor between the lm_head matmuls and the loss "
                 f"({written[1]})")
+    # the op reads the boolean where eager read its cast (``mask.float()``, maybe reshaped): no write to
+    # the boolean or to a cast of it from the first cast on (one side would see it, the other not)
+    chain = f.get("mask_chain", ())
+    written = _mutation.first_write_to((chain[-2],), last, dict.fromkeys(chain, "the row mask")) \
+        if len(chain) > 1 else None
+    if written is not None:
+        return (f"{_mutation.spelling(written[0])} writes {written[1]} or its cast after the cast (the op reads "
+                "the boolean)")
+    # the op saves the heads' inputs for its backward, where eager's no-grad or frozen linear may not
+    output = next(iter(last.graph.find_nodes(op="output")), None)
+    saved = {n: "a head's hidden states, weight or bias" for c in (q, p) for n in (c.hidden, c.weight, c.bias)
+             if n is not None}
+    trains = any(bool(tval(n).requires_grad) for n in saved if tval(n) is not None)
+    written = _mutation.first_write_to((last,), output, saved) if trains and output is not None else None
+    if written is not None:
+        return (f"{_mutation.spelling(written[0])} writes {written[1]} after the loss, and the fused op's "
+                "backward reads it (eager's may not)")
     if isinstance(mix, str):
         return mix
     if others:
@@ -576,7 +597,7 @@ def _heads_beside(q: _logits.LogitsChain, mine: set, others: set) -> Optional[li
     counts are tensors. Neither head's ``[N, V]`` logits stays."""
     from . import _candidates, _match
 
-    covered, kinds = set(), []
+    covered, read, kinds = set(), set(), []
     for node, idioms in _candidates(q.matmul.graph).items():
         found = _match(node, idioms)
         if not isinstance(found, Head) or found.loss in mine:
@@ -584,8 +605,11 @@ def _heads_beside(q: _logits.LogitsChain, mine: set, others: set) -> Optional[li
         c = _logits.trace(found.logits)
         if isinstance(c, _logits.LogitsChain) and c.matmul is q.matmul:
             covered |= {*c.nodes, *found.consumed, found.loss, *found.aux}
+            read |= {*c.nodes, *found.consumed}
             kinds.append(found.kind)
-    return kinds if kinds and others <= covered else None
+    # and nothing else reads what those heads read of the logits (else they decline, and the logits stay)
+    alone = all(u in covered or u in mine for n in read for u in n.users)
+    return kinds if kinds and others <= covered and alone else None
 
 
 def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
