@@ -222,14 +222,7 @@ def _slim(x, W, ids, t_lp, mask):
     return (loss * mask).sum() / mask.sum().clamp(min=1)
 
 
-def _take_along_dim_kd(x, W, ids, t_lp, mask):
-    """The same with torch.take_along_dim, gather's twin."""
-    s_lp = torch.take_along_dim(F.log_softmax(F.linear(x, W) / 2.0, dim=-1), ids, dim=-1)
-    return ((t_lp.exp() * (t_lp - s_lp)).sum(-1) * mask).sum()
-
-
 SPELLINGS = {"topk_kd": (_topk_kd, "gather op (k=9, of the log-probs)"),
-             "take_along_dim": (_take_along_dim_kd, "gather op (k=9, of the log-probs)"),
              "distillkit_slim": (_slim, "gather op (k=9, of the logits)"),
              "topk_kd_then_ce": (_topk_kd_then_ce, "gather op (k=9, of the log-probs), reduction=mean"),
              "renormalised": (_topk_kd_renormalised, "gather op (k=9, of the logits)"),
@@ -355,35 +348,6 @@ def test_router_gather_is_no_candidate():
         return torch.gather(F.softmax(F.linear(x, g), dim=-1), -1, i).sum()
 
     assert inductor_xent.explain(route, h, gate, picked).sites == []
-
-
-@pytest.mark.usefixtures("fresh_dynamo")
-def test_take_along_dim_of_one_id_is_the_log_probs_head():
-    """take_along_dim of one id per row is the log-prob of the target (the log-probs op); ids that
-    broadcast over the rows decline; without a dim (a flat take) it is no site."""
-    h, w, _, ids = _inputs(seed=27, bias=False)
-    y = ids[..., 0]
-
-    def nll(x, W, t):
-        return -torch.take_along_dim(F.log_softmax(x @ W.t(), -1), t[..., None], dim=-1).mean()
-
-    def broadcast(x, W, i):
-        return torch.take_along_dim(F.log_softmax(x @ W.t(), -1), i[:1], dim=-1).sum()
-
-    def flat(x, W, i):
-        return torch.take_along_dim(F.log_softmax(x @ W.t(), -1).flatten(), i.flatten()).sum()
-
-    (site,) = inductor_xent.explain(nll, h, w, y).sites
-    assert site.fused and site.head == "log_probs", site
-    compiled, _, _ = recorded_pass(nll)
-    lv, le = _leaves((h, w)), _leaves((h, w))
-    got, want = compiled(*lv, y), nll(*le, y)
-    torch.testing.assert_close(got, want)
-    for ga, gb in zip(torch.autograd.grad(got, lv), torch.autograd.grad(want, le)):
-        torch.testing.assert_close(ga, gb)
-    (site,) = inductor_xent.explain(broadcast, h, w, ids).sites
-    assert not site.fused and "does not cover the logits' rows" in site.reason, site
-    assert inductor_xent.explain(flat, h, w, ids).sites == []
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

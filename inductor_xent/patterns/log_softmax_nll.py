@@ -37,8 +37,7 @@ from ._site import (
 from ._steps import CAST_METHODS, VIEWS, step_of
 
 PATTERN = "log_softmax_nll"
-TARGETS = (F.nll_loss, torch.gather, "gather", torch.take_along_dim, "take_along_dim")
-TAKE_ALONG_DIM = (torch.take_along_dim, "take_along_dim")
+TARGETS = (F.nll_loss, torch.gather, "gather")
 _SIG = inspect.signature(F.nll_loss)
 
 
@@ -77,10 +76,7 @@ def match(node: Node):
     if is_call(node, (F.nll_loss,)):
         return _match_nll(node)
     if is_call(node, (torch.gather, "gather")):
-        return _match_gather(node, arg(node, 1, "dim"), arg(node, 2, "index"))
-    if is_call(node, TAKE_ALONG_DIM):  # gather's twin (broadcasting ids: declined below where they broadcast)
-        dim = arg(node, 2, "dim")
-        return None if dim is None else _match_gather(node, dim, arg(node, 1, "indices"))
+        return _match_gather(node)
     return None
 
 
@@ -99,8 +95,8 @@ def _match_nll(node: Node):
                     shape_ref=a["target"])
 
 
-def _match_gather(node: Node, dim, index):
-    lp = arg(node, 0, "input")
+def _match_gather(node: Node):
+    lp, dim, index = arg(node, 0, "input"), arg(node, 1, "dim"), arg(node, 2, "index")
     ls = log_probs_of(lp)
     tl, ti = tval(lp), tval(index)
     if tl is None or ti is None or norm_dim(dim, tl.dim()) != tl.dim() - 1:
