@@ -1067,7 +1067,16 @@ def _ce_logits_read_elsewhere(hs, ws, ht, wt, y, **_):  # the CE beside the KD w
     return ce + kd + 1e-4 * sf.pow(2).mean()
 
 
+def _beside_head_declining_elsewhere(hs, ws, ht, wt, y, **_):  # its ids after a logsumexp: that site declines
+    s = F.linear(hs, ws)
+    with torch.no_grad():
+        t = F.linear(ht, wt)
+    loss = F.kl_div(F.log_softmax(s, -1), F.softmax(t, -1), reduction="batchmean")
+    return loss - F.log_softmax(s, -1).gather(-1, s.detach().topk(4, -1).indices).mean()
+
+
 @pytest.mark.parametrize("fn, fused, words", [
+    (_beside_head_declining_elsewhere, 0, "other users"),
     (_float_mask_written, 0, "writes the row mask or its cast after the cast"),
     (_bool_written_after_cast, 0, "writes the row mask or its cast after the cast"),
     (_bool_written_before_cast, 1, ""),

@@ -64,6 +64,7 @@ from torch.fx import GraphModule, Node
 from .. import config, distill, dynamo_tuning, ops
 from . import _logits, _mutation, _report, _steps, lm_head_cross_entropy
 from ._fx import Emitter, arg, hint, is_call, norm_dim, numel_hint, same, size_checks, tval
+from ._plan import SitePlan
 from ._site import Decline, Head, log_probs_of, probs_of
 
 PATTERN = "distillation"
@@ -595,10 +596,12 @@ def _heads_beside(q: _logits.LogitsChain, mine: set, others: set) -> Optional[li
     in the backward) where the sum of the two (``_hard_label_mix``) is not the one op's: a
     cross-entropy summed, or over other rows than the divergence's mask, or torchtune's chunks, whose
     counts are tensors. Neither head's ``[N, V]`` logits stays."""
-    from . import _candidates, _match
+    from . import _analyse, _candidates, _match
 
-    covered, read, kinds = set(), set(), []
-    for node, idioms in _candidates(q.matmul.graph).items():
+    graph = q.matmul.graph
+    candidates = _candidates(graph)
+    covered, read, kinds, sites = set(), set(), [], []
+    for node, idioms in candidates.items():
         found = _match(node, idioms)
         if not isinstance(found, Head) or found.loss in mine:
             continue
@@ -607,9 +610,18 @@ def _heads_beside(q: _logits.LogitsChain, mine: set, others: set) -> Optional[li
             covered |= {*c.nodes, *found.consumed, found.loss, *found.aux}
             read |= {*c.nodes, *found.consumed}
             kinds.append(found.kind)
+            sites.append((node, idioms))
     # and nothing else reads what those heads read of the logits (else they decline, and the logits stay)
     alone = all(u in covered or u in mine for n in read for u in n.users)
-    return kinds if kinds and others <= covered and alone else None
+    if not (kinds and others <= covered and alone):
+        return None
+    # nor would their sites decline for another reason (read with the divergence's reads allowed, as
+    # they will be gone): else the divergence's op would run beside the logits it did not remove
+    for node, idioms in sites:
+        found = _analyse(graph.owning_module, node, idioms, candidates, True, False)
+        if found is None or not isinstance(found.outcome, SitePlan):
+            return None
+    return kinds
 
 
 def _operands(e: Emitter, c: _logits.LogitsChain) -> tuple:
