@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import config, topk
+from . import topk
 from .ops import _without_autocast
 from .options import compute_dtype
 
@@ -53,7 +53,7 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tens
     values = hidden.new_empty((n, k), dtype=cd)
     lse = hidden.new_empty((n,) if log_probs else (0,), dtype=cd)
     if not log_probs:  # the k logits of each row alone: k dot products, no GEMM over the vocabulary
-        for sl, z in _picked_logits(hidden, weight, bias, index):
+        for sl, z, _ in _picked_logits(hidden, weight, bias, index):
             values[sl] = topk._scaled(z, logit_scale, softcap)[0]
         return values, lse
     step = topk.chunk_rows(n, v, hidden.device, hidden.element_size() + 2)  # the chunk's logits, the lse's pass
@@ -61,18 +61,15 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tens
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         z = F.linear(hidden[sl], weight, bias)
-        values[sl] = topk._scaled(z.gather(1, index[sl]), logit_scale, softcap)[0]
-        if log_probs:
-            lse[sl] = lse_fn(z, logit_scale, softcap)
-            values[sl] -= lse[sl, None]
+        lse[sl] = lse_fn(z, logit_scale, softcap)
+        values[sl] = topk._scaled(z.gather(1, index[sl]), logit_scale, softcap)[0] - lse[sl, None]
     return values, lse
 
 
 def _picked_rows(n: int, k: int, d: int, device: torch.device) -> int:
     """Rows per chunk of ``_picked_logits``: their k weight rows, gathered in the compute dtype (fp32),
     within the top-k op's chunk budget."""
-    budget = topk.CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
-    return max(1, min(n, budget // max(1, 4 * k * d)))
+    return max(1, min(n, topk.chunk_budget(device) // max(1, 4 * k * d)))
 
 
 def _rows(t: Tensor, index: Tensor) -> Tensor:
@@ -82,10 +79,10 @@ def _rows(t: Tensor, index: Tensor) -> Tensor:
 
 
 def _picked_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor):
-    """(rows, z) per row chunk: the logits at ``index`` (``z[n, j] = hidden[n] · weight[index[n, j]] +
-    bias[index[n, j]]``) in the inputs' dtype, each dot product summed in the compute dtype and
-    rounded once, as the logits GEMM rounds its output; and the chunk's gathered weight rows
-    (compute dtype) for the backward's hidden-state gradient."""
+    """(row slice, z, weight rows) per row chunk: the logits at ``index`` (``z[n, j] = hidden[n] ·
+    weight[index[n, j]] + bias[index[n, j]]``) in the inputs' dtype, each dot product summed in the
+    compute dtype and rounded once, as the logits GEMM rounds its output; and the chunk's gathered
+    weight rows ``(r, k, D)`` in the compute dtype (the backward's hidden-state gradient reads them)."""
     n, k, d = hidden.shape[0], index.shape[1], hidden.shape[1]
     cd = compute_dtype(hidden.dtype)
     step = _picked_rows(n, k, d, hidden.device)
@@ -95,7 +92,7 @@ def _picked_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index
         z = torch.bmm(rows, hidden[sl].to(cd)[:, :, None])[:, :, 0]
         if bias is not None:
             z = z + _rows(bias, index[sl]).to(cd)
-        yield sl, z.to(hidden.dtype)
+        yield sl, z.to(hidden.dtype), rows
 
 
 def _picked_backward(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tensor,
@@ -106,30 +103,24 @@ def _picked_backward(grad_values: Tensor, hidden: Tensor, weight: Tensor, bias: 
     vocabulary columns over a dz written there (each column's rows summed by the GEMM: no atomics;
     an id repeated in a row written once with its gradients' sum, ``_run_sums``); the bias's, that
     dz's column sums. One GEMM in all, against eager's two."""
-    n, v, k, d = hidden.shape[0], weight.shape[0], index.shape[1], hidden.shape[1]
+    n, v = hidden.shape[0], weight.shape[0]
     cd = compute_dtype(hidden.dtype)
     need_h, need_w, need_b = needs
     need_b = need_b and bias is not None
     g = grad_values.to(cd)
     dz = torch.empty_like(g)
-    for sl, z in _picked_logits(hidden, weight, bias, index):
+    grad_h = torch.empty_like(hidden) if need_h else hidden.new_empty(0)
+    for sl, z, rows in _picked_logits(hidden, weight, bias, index):  # one gather of each chunk's weight rows
         _, x = topk._scaled(z, logit_scale, softcap)
         dz[sl] = topk._dz_of_du(g[sl], x, logit_scale)
-    grad_h = hidden.new_empty(0)
-    if need_h:
-        grad_h = torch.empty_like(hidden)
-        step = _picked_rows(n, k, d, hidden.device)
-        for start in range(0, n, step):
-            sl = slice(start, min(n, start + step))
-            rows = _rows(weight, index[sl]).to(cd)  # (r, k, D)
+        if need_h:
             grad_h[sl] = torch.bmm(dz[sl, None, :], rows)[:, 0].to(hidden.dtype)
     grad_w = weight.new_empty(0)
     grad_b = weight.new_empty(0) if not need_b else torch.zeros(v, dtype=cd, device=weight.device)
     if need_w or need_b:
         grad_w = torch.empty_like(weight) if need_w else grad_w
         dz_in = _run_sums(index, dz).to(hidden.dtype)  # as eager's dz: in the logits' dtype
-        budget = topk.CUDA_CHUNK_BYTES if hidden.device.type == "cuda" else config.fallback_chunk_bytes
-        cols = max(1, min(v, budget // max(1, n * hidden.element_size()) - 1))
+        cols = max(1, min(v, topk.chunk_budget(hidden.device) // max(1, n * hidden.element_size()) - 1))
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
             # the chunk's dz, one spare column for the ids of other chunks (written there, then dropped)

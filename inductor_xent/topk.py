@@ -106,9 +106,13 @@ def row_topk(z: Tensor, k: int, blocks: Optional[bool] = None, maxima: Optional[
     return values, columns
 
 
+def chunk_budget(device: torch.device) -> int:
+    """Bytes a chunk's working set may take: CUDA_CHUNK_BYTES on a GPU, the chunked CPU path's budget else."""
+    return CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
+
+
 def chunk_rows(n: int, v: int, device: torch.device, per_logit: int = BYTES_PER_LOGIT) -> int:
-    budget = CUDA_CHUNK_BYTES if device.type == "cuda" else config.fallback_chunk_bytes
-    return max(1, min(n, budget // max(1, v * per_logit)))
+    return max(1, min(n, chunk_budget(device) // max(1, v * per_logit)))
 
 
 def _scaled(z: Tensor, logit_scale: float, softcap: Optional[float]) -> tuple[Tensor, Optional[Tensor]]:
