@@ -23,7 +23,8 @@ What is timed, at the llama3-8b head by default (bf16):
 * ``gather_eager`` / ``gather_compile`` / ``gather_ours`` / ``gather_ours_compiled`` (opt-in): the
   student's side of top-k distillation from a teacher's stored top-k, the log-probs at T of k fixed
   random ids per row (``F.log_softmax(F.linear(h, w).float() / T, -1).gather(-1, ids)``) eagerly,
-  under torch.compile, ``inductor_xent.linear_gather`` and the spelling under the backend;
+  under torch.compile, ``inductor_xent.linear_gather`` (``auto``: on CUDA the logits kept for the backward;
+  ``gather_ours_recompute``: recomputed there) and the spelling under the backend;
   ``gather_logits_*`` the same for the logits at those ids (``F.linear(h, w).gather(-1, ids)``, the
   student renormalised over the k), whose fused forward is k dot products per row.
 
@@ -61,8 +62,8 @@ TOP_P = 0.9
 TARGET_FWD_VS_CUBLAS = 1.15
 # timed only when named in --methods
 OPT_IN = ("nucleus_ours", "nucleus_eager", "nucleus_compile", "nucleus_bisect", "nucleus_sort", "gather_eager",
-          "gather_compile", "gather_ours", "gather_ours_compiled", "gather_logits_eager", "gather_logits_compile",
-          "gather_logits_ours", "gather_logits_ours_compiled")
+          "gather_compile", "gather_ours", "gather_ours_recompute", "gather_ours_compiled", "gather_logits_eager",
+          "gather_logits_compile", "gather_logits_ours", "gather_logits_ours_compiled")
 ERR_ROWS = 512
 
 
@@ -130,6 +131,8 @@ def methods(k):
         "gather_eager": at(gathered),
         "gather_compile": at(gather_compiled),
         "gather_ours": at(lambda h, w, i: inductor_xent.linear_gather(h, w, i, log_probs=True, temperature=T)),
+        "gather_ours_recompute": at(lambda h, w, i: inductor_xent.linear_gather(h, w, i, log_probs=True, temperature=T,
+                                                                                strategy="recompute")),
         "gather_ours_compiled": at(gather_fused),
         "gather_logits_eager": at(gathered_logits),
         "gather_logits_compile": at(logits_compiled),

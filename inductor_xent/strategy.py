@@ -58,13 +58,14 @@ class GradientPlan:
     extra_bytes: int = 0  # estimated extra memory of the chosen strategy (at the planned N)
     reason: str = ""  # why this strategy (shown by explain)
     budget: str = ""  # store: the budget the op sizes its chunks from at run time
-    planned_rows: int = 0  # the log-prob op's store: the N planned for (chunk_rows of them keep their exp-logits)
+    planned_rows: int = 0  # the log-prob and gather ops' store: the N planned for (chunk_rows of them kept)
+    kept: str = "exp-logits"  # what those rows keep (the gather op's store keeps their logits)
 
     def describe(self) -> str:
         if self.strategy == "recompute":
             return f"recompute ({self.reason})" if self.reason else "recompute"
         if self.planned_rows:
-            return (f"store (exp-logits of {self.chunk_rows} of {self.planned_rows} rows kept for the backward, "
+            return (f"store ({self.kept} of {self.chunk_rows} of {self.planned_rows} rows kept for the backward, "
                     f"~{_mib(self.extra_bytes)})")
         acc = ", fp32 weight-gradient accumulator" if self.fp32_accumulate else ""
         return f"store (chunks of {self.chunk_rows} rows{acc}, ~{_mib(self.extra_bytes)})"
@@ -190,15 +191,16 @@ def logprob_row_bytes(v, itemsize: int):
     return v * (4 if itemsize >= 4 else 2) + (v + tile - 1) // tile * 4 + 4
 
 
-def logprob_store_rows(n, v, dtype: torch.dtype, budget, store_rows: int = 0):
-    """S, the rows (of ``n``) whose exp-logits the log-prob op's store keeps: ``store_rows`` when it is
-    positive, else as many as ``budget`` holds; at most ``n``. ``n`` and ``v`` may be SymInts (dynamic
-    sizes under torch.compile, where the op's fake sizes its outputs with this): S is then an
-    integer expression in them, with no comparison (no guard)."""
+def logprob_store_rows(n, v, dtype: torch.dtype, budget, store_rows: int = 0, per_row=None):
+    """S, the rows (of ``n``) whose exp-logits the log-prob op's store keeps (``per_row`` bytes each:
+    ``logprob_row_bytes`` unless given): ``store_rows`` when it is positive, else as many as
+    ``budget`` holds; at most ``n``. ``n`` and ``v`` may be SymInts (dynamic sizes under
+    torch.compile, where the op's fake sizes its outputs with this): S is then an integer expression
+    in them, with no comparison (no guard)."""
     if store_rows > 0:
         return _sym_min(n, int(store_rows))
     itemsize = torch.finfo(dtype).bits // 8
-    per_row = logprob_row_bytes(v, itemsize)
+    per_row = logprob_row_bytes(v, itemsize) if per_row is None else per_row
     kind, amount = config.parse_budget(budget)
     if kind == "bytes":
         return _sym_min(n, int(amount) // per_row)
@@ -242,6 +244,50 @@ def choose_log_probs(
         return GradientPlan("recompute", reason=f"store needs at least {_mib(min(n, MIN_CHUNK_ROWS) * per_row)}, "
                                                 f"over the budget of {_mib(limit)}")
     return GradientPlan("store", rows, extra_bytes=rows * per_row, budget=str(budget), planned_rows=n)
+
+
+# ---------------------------------------------------------------------------------------------
+# the gather op with log-probs (gathered.py): store keeps the first S rows' logits
+# ---------------------------------------------------------------------------------------------
+# The backward of log-probs at k ids per row needs every logit of the row (the softmax's share of
+# each column). Recompute runs one more GEMM for them (four in all, against eager's three); store
+# keeps the forward's logits of the first S rows in the inputs' dtype (the bits the backward would
+# recompute: no extra pass over [N, V], unlike the log-prob op's store), so those rows' backward is
+# two GEMMs. That holds at any D (no STORE_MIN_D_CUDA): the saved GEMM costs more than writing and
+# reading the logits once.
+def gather_store_rows(n, v, dtype: torch.dtype, budget, store_rows: int = 0):
+    """S, the rows (of ``n``) whose logits the gather op keeps (``logprob_store_rows`` at the logits'
+    bytes per row)."""
+    return logprob_store_rows(n, v, dtype, budget, store_rows, per_row=v * (torch.finfo(dtype).bits // 8))
+
+
+def choose_gather(
+    n: Optional[int], d: int, v: int, dtype: torch.dtype, *, needs: tuple[bool, bool, bool], log_probs: bool,
+    strategy: Optional[str] = None, budget: Optional[str | int | float] = None, device: str = "cuda",
+) -> GradientPlan:
+    """The gather op's strategy: with ``log_probs``, ``store`` keeps the logits of as many rows as
+    ``budget`` holds (at least MIN_CHUNK_ROWS of them, or all), ``auto`` on CUDA only (the chunked
+    path keeps its memory bounded); the logits alone need no logits in their backward."""
+    strategy = config.check_strategy(strategy if strategy is not None else config.strategy())
+    budget = budget if budget is not None else config.store_budget()
+    config.parse_budget(budget)
+    if not log_probs:
+        return GradientPlan("recompute", reason="the gathered logits' backward reads no logits")
+    if strategy == "recompute":
+        return GradientPlan("recompute", reason="strategy='recompute'")
+    if not any(needs):
+        return GradientPlan("recompute", reason="store cannot run: no gradient is needed")
+    if strategy == "auto" and device != "cuda":
+        return GradientPlan("recompute", reason="the gather op stores on CUDA only (the chunked path recomputes)")
+    n = DYNAMIC_ROWS if n is None else max(int(n), 1)
+    rows = gather_store_rows(n, v, dtype, budget)
+    per_row = v * (torch.finfo(dtype).bits // 8)
+    if rows < min(n, MIN_CHUNK_ROWS):
+        kind, amount = config.parse_budget(budget)
+        limit = amount * (n * per_row if kind == "logits" else 1)
+        return GradientPlan("recompute", reason=f"store needs at least {_mib(min(n, MIN_CHUNK_ROWS) * per_row)}, "
+                                                f"over the budget of {_mib(limit)}")
+    return GradientPlan("store", rows, extra_bytes=rows * per_row, budget=str(budget), planned_rows=n, kept="logits")
 
 
 def _mib(n) -> str:

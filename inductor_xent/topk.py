@@ -196,11 +196,24 @@ def _forward(hidden, weight, bias, k: int, logit_scale: float, softcap: Optional
     return values, indices, lse
 
 
+def logits_rows(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], sl: slice, kept: Optional[Tensor] = None
+                ) -> Tensor:
+    """The logits of rows ``sl``: ``kept``'s for the rows it holds (the first ``len(kept)`` rows' logits,
+    kept by a store forward), one GEMM for the others."""
+    s = 0 if kept is None else kept.shape[0]
+    if sl.stop <= s:
+        return kept[sl]
+    if sl.start >= s:
+        return F.linear(hidden[sl], weight, bias)
+    return torch.cat([kept[sl.start:], F.linear(hidden[s:sl.stop], weight, bias)])
+
+
 def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: float, softcap: Optional[float],
-              log_probs: bool, needs: tuple[bool, bool, bool], run_sums=None):
+              log_probs: bool, needs: tuple[bool, bool, bool], run_sums=None, kept: Optional[Tensor] = None):
     """(grad_hidden, grad_weight, grad_bias) of ``values`` (the logits or log-probs at ``indices``):
     ``run_sums(indices, g)`` sums each row's incoming gradients over equal ids (gathered.py) where
-    a row may hold an id twice (a top-k's never does)."""
+    a row may hold an id twice (a top-k's never does); ``kept``: the first rows' logits, kept by the
+    forward (``logits_rows``)."""
     g_all = grad_values.to(compute_dtype(hidden.dtype))
     dense_fn = _for(hidden.device, dense_dz)
 
@@ -208,7 +221,7 @@ def _backward(grad_values, hidden, weight, bias, indices, lse, logit_scale: floa
         # d(u_j − lse)/du = onehot_j − softmax(u): the softmax part over every column in one pass over
         # the recomputed logits, then the k columns' own values (computed whole in the compute dtype,
         # rounded once) written over it; the scale and the softcap's sech² applied in both
-        z, g, idx = F.linear(hidden[sl], weight, bias), g_all[sl], indices[sl]
+        z, g, idx = logits_rows(hidden, weight, bias, sl, kept), g_all[sl], indices[sl]
         total = g.sum(-1)
         if log_probs:
             dz = dense_fn(z, lse[sl], total, logit_scale, softcap)

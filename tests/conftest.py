@@ -120,3 +120,28 @@ def untuned_dynamo(monkeypatch):
     untuned = {f for f in cfg.ignore_logging_functions if not f == dynamo_tuning.transformers_warning_once()}
     with cfg.patch(ignore_logging_functions=untuned, nested_graph_breaks=False, capture_dynamic_output_shape_ops=False):
         yield cfg
+
+
+@pytest.fixture
+def row_invariant_dot(monkeypatch):
+    """For the kernels' bit-for-bit tests of a row alone and inside a batch, under the interpreter:
+    ``tl.dot`` summed in fp64 and rounded once to its fp32 accumulator, so a row's products come out
+    the same bits wherever the row sits in its block, as on a GPU's tensor cores. The interpreter's
+    own dot is numpy's fp32 matmul, whose OpenBLAS kernels (Haswell's, which this project's CI
+    environment sets with OPENBLAS_CORETYPE, and Zen's) round a row apart by its position in the
+    block: those tests failed on an AMD EPYC machine for that alone. Nothing changes on a GPU."""
+    if torch.cuda.is_available():
+        return
+    import numpy as np
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 and a.dtype.is_floating():  # (fp8: the interpreter's own dot)
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        product = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64)).astype(acc)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    original = interpreter.InterpreterBuilder.create_dot
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
+

@@ -7,6 +7,8 @@ gradients) and its declines; on a GPU the same in bf16 (cuda-marked)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -145,17 +147,79 @@ def test_no_columns():
     assert inductor_xent.explain(fn, h, w, ids).sites == []
 
 
-@pytest.mark.parametrize("log_probs", [False, True])
-def test_opcheck_gather_ops(log_probs):
-    """The ops' schemas, fake shapes and autograd registration."""
+@pytest.mark.parametrize("log_probs, budget", [(False, "0"), (True, "0"), (True, "1x"), (True, "0.47x")])
+def test_opcheck_gather_ops(log_probs, budget):
+    """The ops' schemas, fake shapes and autograd registration, with and without kept logits."""
     h, w, b, ids = _inputs(seed=2)
     h2, idx = h.reshape(-1, D), ids.reshape(-1, K)
-    args = (h2.requires_grad_(), w.requires_grad_(), b, idx, 1.2, 3.0, log_probs)
+    args = (h2.requires_grad_(), w.requires_grad_(), b, idx, 1.2, 3.0, log_probs, 0, budget)
     torch.library.opcheck(gathered.GATHER, args)
-    values, lse = gathered.GATHER(*args)
+    values, lse, kept = gathered.GATHER(*args)
     assert values.shape == (N, K) and lse.shape == ((N,) if log_probs else (0,))
-    grad_args = (torch.randn(N, K), h2.detach(), w.detach(), b, idx, lse, 1.2, 3.0, log_probs, True, True, True)
+    assert kept.shape == ({"0": 0, "1x": N, "0.47x": 21}[budget], V)
+    grad_args = (torch.randn(N, K), h2.detach(), w.detach(), b, idx, lse, kept, 1.2, 3.0, log_probs, True, True, True)
     torch.library.opcheck(gathered.GATHER_BACKWARD, grad_args)
+
+
+@pytest.mark.parametrize("budget", ["1x", "0.47x"])
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_store_keeps_the_logits_for_the_backward(name, budget, monkeypatch):
+    """strategy="store": the forward keeps the logits of the rows the budget holds (all at 1x; 21 of
+    45 at 0.47x, a backward chunk straddling their end) and the backward computes no logits for them;
+    values and gradients as recompute's and within torch's own error."""
+    scale, cap, temp = OPTIONS[name]
+    h, w, b, ids = _inputs(seed=3 + len(name))
+    g = torch.randn(ids.shape, generator=torch.Generator().manual_seed(8))
+    kw = dict(log_probs=True, temperature=temp, logit_scale=scale, softcap=cap)
+    lv = _leaves((h, w, b), torch.float64)
+    exact = reference.linear_gather(lv[0], lv[1], ids, bias=lv[2], **kw)
+    exact_grads = _grads(exact, lv, g.double())
+    lv = _leaves((h, w, b))
+    same = reference.linear_gather(lv[0], lv[1], ids, bias=lv[2], **kw)
+    same_grads = _grads(same, lv, g)
+    results, gemm_rows = {}, {}
+    for how in ("recompute", "store"):
+        lv = _leaves((h, w, b))
+        with fallback_chunks(V * 4 * 7):  # forward chunks of 4 rows, backward chunks of 2
+            out = inductor_xent.linear_gather(lv[0], lv[1], ids, bias=lv[2], strategy=how, store_budget=budget, **kw)
+            rows = []
+            monkeypatch.setattr(F, "linear", functools.partial(_counted, rows, F.linear))
+            results[how] = out, _grads(out, lv, g)
+            monkeypatch.undo()
+        gemm_rows[how] = sum(rows)
+    assert gemm_rows == {"recompute": N, "store": 0 if budget == "1x" else N - 21}
+    for a, r in zip([results["store"][0], *results["store"][1]], [results["recompute"][0], *results["recompute"][1]]):
+        torch.testing.assert_close(a, r)  # fp32's own tolerance: mm(out=) may round apart from F.linear
+    ours, our_grads = results["store"]
+    assert_within_torch_error(ours, same, exact, what="values")
+    for what, a, s_, e in zip(("hidden", "weight", "bias"), our_grads, same_grads, exact_grads):
+        assert_within_torch_error(a, s_, e, what=what)
+
+
+def _counted(rows: list, linear, x, *args):
+    rows.append(x.shape[0])
+    return linear(x, *args)
+
+
+def test_gather_strategy_choice():
+    """choose_gather: store on CUDA under auto (at any D), on CPU when asked; recompute for the logits
+    alone, without gradients, or when the budget holds too few rows; explain's words."""
+    from inductor_xent import strategy as st
+
+    def pick(**kw):
+        args = dict(needs=(True, True, False), log_probs=True, device="cuda")
+        return st.choose_gather(8192, 768, 50257, torch.bfloat16, **{**args, **kw})
+
+    plan = pick()
+    assert plan.strategy == "store" and plan.chunk_rows == 8192
+    assert plan.describe() == "store (logits of 8192 of 8192 rows kept for the backward, ~785 MiB)"
+    assert pick(budget="0.5x").chunk_rows == 4096
+    assert pick(device="cpu").strategy == "recompute" and "CUDA only" in pick(device="cpu").reason
+    assert pick(device="cpu", strategy="store").strategy == "store"
+    assert "reads no logits" in pick(log_probs=False).reason
+    assert "no gradient" in pick(needs=(False, False, False)).reason
+    assert "over the budget" in pick(budget="90MiB").reason and pick(budget="100MiB").chunk_rows == 1043
+    assert pick(strategy="recompute").reason == "strategy='recompute'"
 
 
 def test_linear_gather_compiles_into_one_op():
@@ -258,7 +322,11 @@ def test_verl_topk_kd_fuses_to_the_topk_and_gather_ops():
     args = _kd_inputs(25)
     (site,) = inductor_xent.explain(_verl_forward_kl_topk, *args).sites
     assert site.fused and "top-k op (k=9, of the log-probs), gather op (k=9, of the log-probs)" in site.reason, site
-    assert "the top-k and gather ops recompute the logits in their backward" in site.reason
+    assert "strategy recompute (store cannot run: no gradient is needed)" in site.reason
+    with pytest.MonkeyPatch.context() as mp:  # with gradients: the gather op keeps the logits, the top-k recomputes
+        mp.setenv("INDUCTOR_XENT_STRATEGY", "store")
+        (site,) = inductor_xent.explain(_verl_forward_kl_topk, *_leaves(args[:2]), *args[2:]).sites
+    assert "strategy store (logits of 45 of 45 rows kept for the backward" in site.reason, site
     torch._dynamo.reset()
     lv, le = _leaves(args[:2]), _leaves(args[:2])
     got = torch.compile(_verl_forward_kl_topk, backend="inductor_xent")(*lv, *args[2:])
@@ -293,6 +361,27 @@ def test_gather_spellings_fuse_with_eager_results(name):
     in AOTAutograd's graphs, the loss and gradients as eager's."""
     fn, words = SPELLINGS[name]
     _fuses_as_eager(fn, words, _kd_inputs(21), 1e-5, 1e-6)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("name", ["topk_kd", "ce_and_topk_kd"])
+def test_the_pass_keeps_the_gathers_logits_under_store(name, monkeypatch):
+    """strategy store: a site whose only head is a gather of log-probs gets the op that keeps its
+    logits (the one [N, V] tensor of the graphs, its budget's), eager's loss and gradients; beside a
+    cross-entropy (whose op has a strategy of its own) the gather op keeps nothing."""
+    monkeypatch.setenv("INDUCTOR_XENT_STRATEGY", "store")
+    fn = SPELLINGS[name][0]
+    args = _kd_inputs(31)
+    compiled, aot, sites = recorded_pass(fn)
+    lv, le = _leaves(args[:2]), _leaves(args[:2])
+    got, want = compiled(*lv, *args[2:]), fn(*le, *args[2:])
+    assert [x.fused for x in sites] == [True]
+    (call,) = [n for g in aot.fw_graphs for n in g.graph.nodes if n.target is gathered.GATHER]
+    kept = call.meta["val"][2]
+    assert tuple(kept.shape) == ((N, V) if name == "topk_kd" else (0, V))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for ga, gb in zip(torch.autograd.grad(got, lv), torch.autograd.grad(want, le)):
+        torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -371,10 +460,11 @@ def test_a_matmuls_columns_not_normalised_after_are_no_candidate():
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the cuBLAS logits)")
-@pytest.mark.parametrize("log_probs", [False, True])
-def test_linear_gather_cuda_bf16(log_probs):
+@pytest.mark.parametrize("log_probs, how", [(False, "auto"), (True, "auto"), (True, "recompute")])
+def test_linear_gather_cuda_bf16(log_probs, how):
     """bf16 on the GPU, a vocabulary of 32000 and k = 64 over several chunks: values and gradients
-    within torch's own error (eager: the bf16 matmul upcast to fp32, as users write it)."""
+    within torch's own error (eager: the bf16 matmul upcast to fp32, as users write it); the
+    log-probs with the logits kept (auto on CUDA: store) and recomputed."""
     g = torch.Generator().manual_seed(5)
     n, d, v, k = 1024, 256, 32000, 64
     h = torch.randn(n, d, generator=g).cuda()
@@ -394,7 +484,7 @@ def test_linear_gather_cuda_bf16(log_probs):
     old = topk.CUDA_CHUNK_BYTES
     topk.CUDA_CHUNK_BYTES = 300 * v * topk.BYTES_PER_LOGIT  # 300 rows a chunk
     try:
-        ours = inductor_xent.linear_gather(lv[0], lv[1], ids, log_probs=log_probs)
+        ours = inductor_xent.linear_gather(lv[0], lv[1], ids, log_probs=log_probs, strategy=how)
         our_grads = _grads(ours, lv, up)
     finally:
         topk.CUDA_CHUNK_BYTES = old

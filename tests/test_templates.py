@@ -869,6 +869,7 @@ def test_log_probs_store_skips_ignored_rows(store_rows, in_place, monkeypatch):
 
 
 @pytest.mark.slow(s=32)
+@pytest.mark.usefixtures("row_invariant_dot")
 def test_batch_invariant_forward(monkeypatch):
     """INDUCTOR_XENT_BATCH_INVARIANT=1 (issue 25): each row's log-prob, entropy, argmax and
     logsumexp are the same bits computed in a batch of 21 rows and inside batches of 64 and 100 rows
@@ -1122,6 +1123,7 @@ def test_recompute_backward_never_reads_rows_without_gradient(monkeypatch):
 
 
 @pytest.mark.parametrize("head", ["loss", "log_probs"])
+@pytest.mark.usefixtures("row_invariant_dot")
 def test_recompute_forward_skips_ignored_rows(head, monkeypatch):
     """With ``skip_ignored`` the recompute forward (the loss's, and the log-prob op's with its entropy)
     moves the valid rows first and the row blocks past their count exit at once: NaN in the ignored

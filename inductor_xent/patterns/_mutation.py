@@ -137,13 +137,17 @@ def first_write_to(firsts, last: Node, reads: dict) -> Optional[tuple[Node, str]
     """(the first node after the earliest of ``firsts`` and before ``last`` that writes a tensor sharing
     storage with one of ``reads`` (node -> what it is), what it writes), or None: a write to anything
     else (a running sum, ``total += loss``) changes nothing ``reads`` holds."""
-    graph = last.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    lo = min(order[n] for n in firsts)
+    order = {n: i for i, n in enumerate(last.graph.nodes)}
+    return _first_write(last.graph, order, reads, min(order[n] for n in firsts) + 1, order[last] - 1)
+
+
+def _first_write(graph, order: dict, reads: dict, lo: int, hi: int) -> Optional[tuple[Node, str]]:
+    """(the first node from position ``lo`` to ``hi`` of ``order`` that writes a tensor sharing storage
+    with one of ``reads`` (node -> what it is), what it writes), or None."""
     storages = [(_storage(r), what) for r, what in reads.items()]
     swapped = next((n for n in graph.nodes if swaps_storage(n)), None)
     for n in graph.nodes:
-        if lo < order[n] < order[last]:
+        if lo <= order[n] <= hi:
             for w in writes(n):
                 what = reads.get(w) or _aliased(w, storages, swapped)
                 if what:
@@ -235,16 +239,8 @@ def written_between(gm, order: dict, heads: list, chain, logits: list, lse_users
 def written_in(gm, order: dict, reads: dict, lo: int, hi: int) -> Optional[str]:
     """A reason when a node from ``lo`` to ``hi`` (positions in ``order``) writes a tensor sharing storage
     with one of ``reads`` (node -> what it is): an op moved from ``lo`` to ``hi`` would read it changed."""
-    storages = [(_storage(r), what) for r, what in reads.items()]
-    swapped = next((n for n in gm.graph.nodes if swaps_storage(n)), None)
-    for n in gm.graph.nodes:
-        if not lo <= order[n] <= hi:
-            continue
-        for w in writes(n):
-            what = reads.get(w) or _aliased(w, storages, swapped)
-            if what:
-                return f"{spelling(n)} writes {what} between the sites"
-    return None
+    found = _first_write(gm.graph, order, reads, lo, hi)
+    return None if found is None else f"{spelling(found[0])} writes {found[1]} between the sites"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -529,6 +529,14 @@ def _carries_grad(n: Node) -> bool:
     return t is None or (isinstance(t, torch.Tensor) and t.requires_grad)
 
 
+def storing_gather(p: SitePlan):
+    """The one gather head of log-probs (or probabilities) that may keep its logits for its backward:
+    where the site has no loss or log-prob op (whose strategy would hold memory of its own) and no
+    other gather of log-probs (each op would keep the same logits); None otherwise."""
+    gathers = [h for h, _ in p.heads if h.kind == "gathered" and h.normalised != "logits"]
+    return gathers[0] if len(gathers) == 1 and not p.main_heads else None
+
+
 def per_row_store(p: SitePlan, how: strategy.GradientPlan) -> bool:
     """Whether per-token heads alone (``_per_row_heads``: no entropy or argmax, which the log-probs op
     serves anyway) go to the log-probs op because ``how`` (``gradients``' plan) stores: the cross-entropy
@@ -555,6 +563,13 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
     """How the rewritten site computes its gradients (strategy.choose, from the example values' sizes
     as hints and their requires_grad: which gradients the graph will ask for)."""
     main = p.main_heads
+    if not main and storing_gather(p) is not None:  # its logits kept for its backward (strategy.choose_gather)
+        tx, (v, d) = tval(p.logits.hidden), p.logits.vd
+        n = numel_hint(tx)
+        n = None if n is None else n // max(1, hint(d) or 1)
+        return strategy.choose_gather(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype,
+                                      needs=p.needs, log_probs=True, strategy=which, budget=budget,
+                                      device=tx.device.type)
     if not main:
         ops = list(dict.fromkeys("gather" if h.kind == "gathered" else "top-k" for h, _ in p.heads))
         what = f"the {ops[0]} op recomputes" if len(ops) == 1 else f"the {' and '.join(ops)} ops recompute"

@@ -16,7 +16,7 @@ from torch.fx import Node
 from .. import escape, gathered, ops, strategy, topk
 from . import _dtensor, _logits
 from ._fx import Emitter, arg, is_call, numel_hint, tval
-from ._plan import SitePlan
+from ._plan import SitePlan, storing_gather
 from ._site import NO_IGNORE
 from ._steps import CAST_METHODS, RowScale, StackedSlice, stacked
 
@@ -85,7 +85,8 @@ def rewrite(gm, plan: SitePlan, how: strategy.GradientPlan, erased: set) -> int:
         if h.kind == "topk":
             _topk(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d), plan.no_grad)
         elif h.kind == "gathered":
-            _gathered(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d), plan.no_grad)
+            store = how.budget if how.strategy == "store" and h is storing_gather(plan) else "0"
+            _gathered(e, h, c, (hidden2d, weight, bias), *own, (hidden, all_ops, d), store, plan.no_grad)
         elif h.kind == "kept":
             t1d = h.target if tval(h.target).dim() == 1 else e.method("reshape", h.target, -1)
             if h.nucleus:  # a nucleus kept set (within the top-k when both)
@@ -334,12 +335,13 @@ def _topk(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, 
 
 
 def _gathered(e: Emitter, h, c: _logits.LogitsChain, operands: tuple, scale: float, cap, shaping: tuple,
-              no_grad: frozenset = frozenset()) -> None:
+              budget: str, no_grad: frozenset = frozenset()) -> None:
     """One gather head: gathered.py's op over the site's operands and the ids flattened to ``[N, k]``,
-    its values (exponentials for a softmax's) shaped as the gather's, in place of the gather."""
+    its values (exponentials for a softmax's) shaped as the gather's, in place of the gather;
+    ``budget``: what its logits kept for the backward may take ("0": none)."""
     k = e.method("size", h.index, -1)  # (a symbolic k under dynamic shapes)
     index = e.method("reshape", h.index, e.method("size", operands[0], 0), k)
-    out = e.call(gathered.GATHER, *operands, index, scale, cap, h.normalised != "logits")
+    out = e.call(gathered.GATHER, *operands, index, scale, cap, h.normalised != "logits", 0, budget)
     values = e.getitem(out, 0)
     if h.normalised == "probs":
         values = e.call(torch.exp, values)
