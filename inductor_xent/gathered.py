@@ -83,9 +83,10 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tens
 PICKED_BYTES = 2**28
 
 
-def _picked_rows(n: int, k: int, d: int, itemsize: int) -> int:
-    """Rows per chunk of ``_picked_logits``: their k weight rows within PICKED_BYTES."""
-    return max(1, min(n, PICKED_BYTES // max(1, itemsize * k * d)))
+def _picked_rows(n: int, k: int, d: int, itemsize: int, device: torch.device) -> int:
+    """Rows per chunk of ``_picked_logits``: their k weight rows within PICKED_BYTES (and within the
+    chunked path's budget on CPU)."""
+    return max(1, min(n, min(PICKED_BYTES, topk.chunk_budget(device)) // max(1, itemsize * k * d)))
 
 
 def _rows(t: Tensor, index: Tensor) -> Tensor:
@@ -101,7 +102,7 @@ def _picked_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index
     output, the bias added before that rounding as addmm adds it); and the chunk's gathered weight
     rows ``(r, k, D)`` (the backward's hidden-state gradient reads them)."""
     n, k, d = hidden.shape[0], index.shape[1], hidden.shape[1]
-    step = _picked_rows(n, k, d, hidden.element_size())
+    step = _picked_rows(n, k, d, hidden.element_size(), hidden.device)
     for start in range(0, n, step):
         sl = slice(start, min(n, start + step))
         rows = _rows(weight, index[sl])  # (r, k, D)

@@ -65,8 +65,9 @@ class GradientPlan:
         if self.strategy == "recompute":
             return f"recompute ({self.reason})" if self.reason else "recompute"
         if self.planned_rows:
+            why = f"; {self.reason}" if self.reason else ""
             return (f"store ({self.kept} of {self.chunk_rows} of {self.planned_rows} rows kept for the backward, "
-                    f"~{_mib(self.extra_bytes)})")
+                    f"~{_mib(self.extra_bytes)}{why})")
         acc = ", fp32 weight-gradient accumulator" if self.fp32_accumulate else ""
         return f"store (chunks of {self.chunk_rows} rows{acc}, ~{_mib(self.extra_bytes)})"
 

@@ -327,6 +327,8 @@ def test_verl_topk_kd_fuses_to_the_topk_and_gather_ops():
         mp.setenv("INDUCTOR_XENT_STRATEGY", "store")
         (site,) = inductor_xent.explain(_verl_forward_kl_topk, *_leaves(args[:2]), *args[2:]).sites
     assert "strategy store (logits of 45 of 45 rows kept for the backward" in site.reason, site
+    assert "log-probs op" not in site.reason, site  # no log-probs op runs: the gather op keeps the logits
+    assert "; the top-k op recomputes the logits in its backward)" in site.reason, site
     torch._dynamo.reset()
     lv, le = _leaves(args[:2]), _leaves(args[:2])
     got = torch.compile(_verl_forward_kl_topk, backend="inductor_xent")(*lv, *args[2:])

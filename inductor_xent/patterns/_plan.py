@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import torch
@@ -541,8 +541,8 @@ def per_row_store(p: SitePlan, how: strategy.GradientPlan) -> bool:
     """Whether per-token heads alone (``_per_row_heads``: no entropy or argmax, which the log-probs op
     serves anyway) go to the log-probs op because ``how`` (``gradients``' plan) stores: the cross-entropy
     op's store keeps a reduced loss only. Sets ``SitePlan.per_row_store`` before the rewrite."""
-    return how.strategy == "store" and not any(h.kind in ("entropy", "argmax") for h, _ in p.heads) \
-        and _per_row_heads(p)
+    return how.strategy == "store" and bool(p.main_heads) \
+        and not any(h.kind in ("entropy", "argmax") for h, _ in p.heads) and _per_row_heads(p)
 
 
 def _per_row_heads(p: SitePlan) -> bool:
@@ -567,9 +567,12 @@ def gradients(p: SitePlan, which: Optional[str], budget) -> strategy.GradientPla
         tx, (v, d) = tval(p.logits.hidden), p.logits.vd
         n = numel_hint(tx)
         n = None if n is None else n // max(1, hint(d) or 1)
-        return strategy.choose_gather(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype,
-                                      needs=p.needs, log_probs=True, strategy=which, budget=budget,
-                                      device=tx.device.type)
+        how = strategy.choose_gather(n, hint(d) or strategy.DYNAMIC_ROWS, hint(v) or strategy.DYNAMIC_ROWS, p.dtype,
+                                     needs=p.needs, log_probs=True, strategy=which, budget=budget,
+                                     device=tx.device.type)
+        if how.strategy == "store" and any(h.kind == "topk" for h, _ in p.heads):  # (its op keeps nothing)
+            how = replace(how, reason="the top-k op recomputes the logits in its backward")
+        return how
     if not main:
         ops = list(dict.fromkeys("gather" if h.kind == "gathered" else "top-k" for h, _ in p.heads))
         what = f"the {ops[0]} op recomputes" if len(ops) == 1 else f"the {' and '.join(ops)} ops recompute"
