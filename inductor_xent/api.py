@@ -3,7 +3,6 @@ boundary, then call the ops."""
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -69,8 +68,9 @@ def linear_cross_entropy(
     options = (int(ignore_index), float(label_smoothing), float(logit_scale),
                None if softcap is None else float(softcap), float(z_loss))
     needs, budget = _needs_and_budget(hidden, weight, bias, store_budget)
-    which = _choose(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs,
-                  float(label_smoothing), softcap, strategy, budget, hidden2d.device.type)
+    smoothed = True if label_smoothing != 0 else False  # a branch: Dynamo guards a symbolic float (bool() would not)
+    which = _choose(*_sizes(hidden2d, weight), hidden2d.dtype, weight.dtype, reduction, needs, smoothed,
+                    softcap is not None, strategy, budget, hidden2d.device.type)
     if which == "store":  # chunks sized by the op at run time, from the budget
         # eagerly through store_consuming_gradients: the gradient outputs are dropped here, so the
         # backward may scale them in place (under torch.compile the traced backward never does)
@@ -287,11 +287,11 @@ def _validate(hidden, weight, target, bias, reduction, label_smoothing, logit_sc
         raise ValueError(f"reduction must be one of {', '.join(map(repr, REDUCTIONS))}, got {reduction!r}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if not math.isfinite(logit_scale):
+    if not options.finite(logit_scale):
         raise ValueError(f"logit_scale must be finite, got {logit_scale}")
-    if softcap is not None and not (math.isfinite(softcap) and softcap > 0):
+    if softcap is not None and not (options.finite(softcap) and softcap > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
-    if not (math.isfinite(z_loss) and z_loss >= 0):
+    if not (options.finite(z_loss) and z_loss >= 0):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
 
 
@@ -306,9 +306,11 @@ def _sizes(hidden2d, weight):
 
 
 @torch.compiler.assume_constant_result
-def _choose(n, d, v, dtype, weight_dtype, reduction, needs, label_smoothing, softcap, which, budget, device):
+def _choose(n, d, v, dtype, weight_dtype, reduction, needs, smoothed: bool, capped: bool, which, budget, device):
     """``strategy.choose``'s strategy; under torch.compile Dynamo runs it once while tracing and keeps
-    the result as a constant (its arguments are all Python constants)."""
+    the result as a constant (its arguments are all Python constants). Of the label smoothing and the
+    softcap the choice reads only whether there are any (``store_unsupported``): flags, so that a float
+    Dynamo made symbolic (a function default under ``dynamic=True``) is no argument here."""
     return strategies.choose(n, d, v, dtype, weight_dtype, reduction=reduction, needs=needs,
-                             label_smoothing=label_smoothing, softcap=softcap, strategy=which, budget=budget,
-                             device=device).strategy
+                             label_smoothing=1.0 if smoothed else 0.0, softcap=1.0 if capped else None,
+                             strategy=which, budget=budget, device=device).strategy

@@ -771,10 +771,10 @@ def _check_weights(target: Optional[Tensor], soft_weight: float, hard_weight: fl
     if hard_weight != 0.0 and target is None:
         raise ValueError("a hard-label cross-entropy (hard_weight != 0) needs the target")
     for name, x in (("soft_weight", soft_weight), ("hard_weight", hard_weight)):
-        if not math.isfinite(x):
+        if not options.finite(x):
             raise ValueError(f"{name} must be finite, got {x}")
     for name, cap in (("softcap_s", softcap_s), ("softcap_t", softcap_t)):
-        if cap is not None and not (math.isfinite(cap) and cap > 0):
+        if cap is not None and not (options.finite(cap) and cap > 0):
             raise ValueError(f"{name} must be None or a finite number > 0, got {cap}")
 
 
@@ -994,7 +994,7 @@ def linear_distillation_loss(
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     for name, x in (("soft_weight", soft_weight), ("hard_weight", hard_weight)):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not options.finite(x):
             raise ValueError(f"{name} must be a finite number, got {x!r}")
     if hard_weight != 0 and target is None:
         raise ValueError("hard_weight needs the target (the hard labels)")
@@ -1003,7 +1003,7 @@ def linear_distillation_loss(
     options.check_temperature(temperature)
     for name, cap in (("student_softcap", student_softcap), ("teacher_softcap", teacher_softcap)):
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))
-                                or not (math.isfinite(cap) and cap > 0)):
+                                or not (options.finite(cap) and cap > 0)):
             raise ValueError(f"{name} must be None or a finite number > 0, got {cap!r}")
     if store_budget is not None:
         config.parse_budget(store_budget)

@@ -61,12 +61,19 @@ def check_head_dtypes(hidden: Tensor, weight: Tensor, bias: Optional[Tensor] = N
                             f"({hidden.dtype}); inside torch.autocast they are cast as for F.linear")
 
 
+def finite(x) -> bool:
+    """``math.isfinite(x)`` for a Python number that may be a SymFloat: under ``torch.compile(dynamic=True)``
+    Dynamo makes a float default of a function it inlines an input, and ``math.isfinite`` of one is a
+    call it cannot trace (fullgraph failed there); a comparison it can (a guard on that input)."""
+    return abs(x) < math.inf
+
+
 def check_temperature(temperature) -> float:
     """``temperature`` as a float: ``TypeError`` for anything but a Python number (a bool, a tensor, a
     string), ``ValueError`` for one that is not finite and > 0. Every functional API checks it here."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
+    if not (finite(temperature) and temperature > 0):
         raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     return float(temperature)
 

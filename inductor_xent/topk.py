@@ -35,7 +35,6 @@ indices (minus the softmax times their sum for log-probs): deterministic, no ato
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -774,9 +773,9 @@ def _check_head(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> None:
 
 
 def _scale_and_cap(temperature, logit_scale, softcap) -> tuple[float, Optional[float]]:
-    if not math.isfinite(float(logit_scale)):
+    if not options.finite(float(logit_scale)):
         raise ValueError(f"logit_scale must be finite, got {logit_scale}")
-    if softcap is not None and not (math.isfinite(float(softcap)) and float(softcap) > 0):
+    if softcap is not None and not (options.finite(float(softcap)) and float(softcap) > 0):
         raise ValueError(f"softcap must be None or a finite number > 0, got {softcap}")
     return options.fold_temperature(float(logit_scale), None if softcap is None else float(softcap),
                                     options.check_temperature(temperature))

@@ -285,3 +285,45 @@ def test_eager_plans_as_compiled_does():
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     for a, b in zip(torch.autograd.grad(compiled, (h, w)), torch.autograd.grad(eager, (h, w))):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def _api_calls(t, ids, ht, wt):
+    """Each functional API over (hidden, weight, a float) -> a scalar."""
+    return {
+        "cross_entropy": lambda h, w, x: inductor_xent.linear_cross_entropy(h, w, t, label_smoothing=x / 10,
+                                                                            logit_scale=x, softcap=20 * x),
+        "cross_entropy_defaults": lambda h, w, x: inductor_xent.linear_cross_entropy(h, w, t) * x,
+        "log_probs": lambda h, w, x: inductor_xent.linear_log_probs(h, w, t, temperature=x, entropy=True
+                                                                    ).log_probs.sum(),
+        "gather": lambda h, w, x: inductor_xent.linear_gather(h, w, ids, log_probs=True, temperature=x).sum(),
+        "topk": lambda h, w, x: inductor_xent.linear_topk(h, w, 3, log_probs=True, temperature=x).values.sum(),
+        "distillation": lambda h, w, x: inductor_xent.linear_distillation_loss(
+            h, w, ht, wt, t, kind="jsd", temperature=x, hard_weight=0.5, student_softcap=20 * x),
+    }
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "cross_entropy_defaults", "log_probs", "gather", "topk",
+                                  "distillation"])
+def test_apis_compile_fullgraph_dynamic(name):
+    """torch.compile(fullgraph=True, dynamic=True) around each functional API, with the weight an
+    nn.Parameter (static sizes, as Dynamo keeps a parameter's) and a float argument: under dynamic=True
+    Dynamo makes such floats (and the float defaults of the functions it inlines) symbolic, and the
+    APIs' checks called math.isfinite on them ("torch.* op returned non-Tensor"), then handed them to
+    the strategy choice (assume_constant_result: "argument conversion failed"). Eager's values, two
+    float values, one graph per float value at most."""
+    g = torch.Generator().manual_seed(3)
+    n, d, v = 12, 8, 64
+    h = torch.randn(n, d, generator=g, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(v, d, generator=g))
+    t = torch.randint(0, v, (n,), generator=g)
+    ids = torch.randint(0, v, (n, 3), generator=g)
+    ht, wt = torch.randn(n, 6, generator=g), torch.randn(v, 6, generator=g)
+    fn = _api_calls(t, ids, ht, wt)[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    for x in (0.7, 0.9):
+        got, want = compiled(h, w, x), fn(h, w, x)
+        torch.testing.assert_close(got, want)
+        for a, b in zip(torch.autograd.grad(got, (h, w)), torch.autograd.grad(want, (h, w))):
+            torch.testing.assert_close(a, b)
+    torch._dynamo.reset()
