@@ -69,8 +69,10 @@ def _forward(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], index: Tens
         sl = slice(start, stop)
         if stop <= stored:  # the GEMM's logits written where the backward reads them
             z = kept[sl]
-            torch.mm(hidden[sl], weight.t(), out=z) if bias is None else torch.addmm(bias, hidden[sl], weight.t(),
-                                                                                       out=z)
+            if bias is None:
+                torch.mm(hidden[sl], weight.t(), out=z)
+            else:
+                torch.addmm(bias, hidden[sl], weight.t(), out=z)
         else:
             z = F.linear(hidden[sl], weight, bias)
         lse[sl] = lse_fn(z, logit_scale, softcap)

@@ -239,12 +239,19 @@ def choose_log_probs(
     n = DYNAMIC_ROWS if n is None else max(int(n), 1)
     rows = logprob_store_rows(n, v, dtype, budget)
     per_row = logprob_row_bytes(v, torch.finfo(dtype).bits // 8)
+    return _rows_plan(n, rows, per_row, v * (torch.finfo(dtype).bits // 8), budget, "exp-logits")
+
+
+def _rows_plan(n: int, rows: int, per_row: int, logits_row: int, budget, kept: str) -> GradientPlan:
+    """The log-prob and gather ops' plan once S (``rows`` of ``n``, ``per_row`` bytes each) is known:
+    store where S is at least MIN_CHUNK_ROWS (or all), else recompute, saying how far the budget
+    (``logits_row``: a row of logits' bytes, for a fraction of the logits) falls short."""
     if rows < min(n, MIN_CHUNK_ROWS):
         kind, amount = config.parse_budget(budget)
-        limit = amount * (n * v * torch.finfo(dtype).bits // 8 if kind == "logits" else 1)
+        limit = amount * (n * logits_row if kind == "logits" else 1)
         return GradientPlan("recompute", reason=f"store needs at least {_mib(min(n, MIN_CHUNK_ROWS) * per_row)}, "
                                                 f"over the budget of {_mib(limit)}")
-    return GradientPlan("store", rows, extra_bytes=rows * per_row, budget=str(budget), planned_rows=n)
+    return GradientPlan("store", rows, extra_bytes=rows * per_row, budget=str(budget), planned_rows=n, kept=kept)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,14 +288,8 @@ def choose_gather(
     if strategy == "auto" and device != "cuda":
         return GradientPlan("recompute", reason="the gather op stores on CUDA only (the chunked path recomputes)")
     n = DYNAMIC_ROWS if n is None else max(int(n), 1)
-    rows = gather_store_rows(n, v, dtype, budget)
     per_row = v * (torch.finfo(dtype).bits // 8)
-    if rows < min(n, MIN_CHUNK_ROWS):
-        kind, amount = config.parse_budget(budget)
-        limit = amount * (n * per_row if kind == "logits" else 1)
-        return GradientPlan("recompute", reason=f"store needs at least {_mib(min(n, MIN_CHUNK_ROWS) * per_row)}, "
-                                                f"over the budget of {_mib(limit)}")
-    return GradientPlan("store", rows, extra_bytes=rows * per_row, budget=str(budget), planned_rows=n, kept="logits")
+    return _rows_plan(n, gather_store_rows(n, v, dtype, budget), per_row, per_row, budget, "logits")
 
 
 def _mib(n) -> str:
